@@ -1,0 +1,84 @@
+"""The ``qla::`` custom ops: forward and backward of chunked Gated DeltaNet, with fake impls and autograd.
+
+``qla::chunk_gdr_fwd`` returns ``(o, final_state)``; the final state is always produced (fp32) and the
+public function drops it when it was not asked for.  ``qla::chunk_gdr_bwd`` takes what the forward took
+plus ``do``/``dht`` and returns every input gradient; gradients of absent optional inputs (``A_log``,
+``dt_bias``, ``initial_state``) come back as empty tensors, since an op cannot return ``None``.
+The forward saves only its inputs: the backward recomputes the gate cumsum, the inverse and the
+chunk states, the same boundary the Hopper backward kernels fill.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import dispatch
+from .reference import GDROptions
+
+
+def _state_shape(v: Tensor, k: Tensor, cu_seqlens: Tensor | None, v_first: bool):
+    n = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    K, HV, V = k.shape[-1], v.shape[2], v.shape[-1]
+    return (n, HV, V, K) if v_first else (n, HV, K, V)
+
+
+@torch.library.custom_op("qla::chunk_gdr_fwd", mutates_args=())
+def chunk_gdr_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None, cu_seqlens: Tensor | None,
+    scale: float, use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
+    state_v_first: bool,
+) -> tuple[Tensor, Tensor]:
+    opts = GDROptions(scale, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, state_v_first)
+    return dispatch.forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+
+
+@chunk_gdr_fwd.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, use_qk_l2norm, use_gate,
+      use_beta_sigmoid, allow_neg_eigval, state_v_first):
+    ht = v.new_empty(_state_shape(v, k, cu_seqlens, state_v_first), dtype=torch.float32)
+    return torch.empty_like(v, memory_format=torch.contiguous_format), ht
+
+
+@torch.library.custom_op("qla::chunk_gdr_bwd", mutates_args=())
+def chunk_gdr_bwd(
+    do: Tensor, dht: Tensor | None,
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None, cu_seqlens: Tensor | None,
+    scale: float, use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
+    state_v_first: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    opts = GDROptions(scale, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, state_v_first)
+    grads = dispatch.backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+    return tuple(q.new_empty(0) if x is None else x.contiguous() for x in grads)
+
+
+@chunk_gdr_bwd.register_fake
+def _(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, use_qk_l2norm, use_gate,
+      use_beta_sigmoid, allow_neg_eigval, state_v_first):
+    def like(x):
+        return q.new_empty(0) if x is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    return tuple(like(x) for x in (q, k, v, g, beta, A_log, dt_bias, initial_state))
+
+
+_N_FLAGS = 6  # scale and the five booleans after cu_seqlens
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags = inputs
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    ctx.flags = flags
+
+
+def _backward(ctx, do, dht):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    grads = chunk_gdr_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *ctx.flags)
+    present = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    tensor_grads = tuple(None if x is None else d for x, d in zip(present, grads))
+    return tensor_grads + (None,) * (1 + _N_FLAGS)
+
+
+chunk_gdr_fwd.register_autograd(_backward, setup_context=_setup_context)
