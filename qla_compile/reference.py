@@ -58,16 +58,22 @@ def gate_activation(g: Tensor, A_log: Tensor, dt_bias: Tensor | None) -> Tensor:
     return -A_log.to(g.dtype).exp() * F.softplus(x)
 
 
-def activate(q, k, g, beta, A_log, dt_bias, opts: GDROptions, dtype: torch.dtype):
-    """Cast to ``dtype`` and apply the optional in-kernel activations; returns (q, k, g, beta)."""
-    q, k, g, beta = (t.to(dtype) for t in (q, k, g, beta))
-    if opts.use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+def activate_gates(g, beta, A_log, dt_bias, opts: GDROptions, dtype: torch.dtype):
+    """The log gate and beta the recurrence uses (FLA's gate-in-kernel and beta-sigmoid), in ``dtype``."""
+    g, beta = g.to(dtype), beta.to(dtype)
     if opts.use_gate_in_kernel:
         g = gate_activation(g, A_log.to(dtype), None if dt_bias is None else dt_bias.to(dtype))
     if opts.use_beta_sigmoid_in_kernel:
         beta = beta.sigmoid() * (2.0 if opts.allow_neg_eigval else 1.0)
-    return q, k, g, beta
+    return g, beta
+
+
+def activate(q, k, g, beta, A_log, dt_bias, opts: GDROptions, dtype: torch.dtype):
+    """Cast to ``dtype`` and apply the optional in-kernel activations; returns (q, k, g, beta)."""
+    q, k = q.to(dtype), k.to(dtype)
+    if opts.use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    return (q, k, *activate_gates(g, beta, A_log, dt_bias, opts, dtype))
 
 
 # --------------------------------------------------------------------------------------------------
