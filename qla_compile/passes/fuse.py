@@ -1,0 +1,143 @@
+"""The FX pass: find candidate GDN regions, prove each, and replace proven ones with one ``qla`` op call.
+
+Runs on dynamo's torch-level graph, before AOTAutograd, so training differentiates through
+``qla::chunk_gdr_fwd``'s registered backward.  Anything not proven stays as it was; every candidate gets a
+``RegionReport`` saying what happened and why.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import re
+import time
+
+import torch
+from torch import fx
+
+from .. import ops
+from .dataflow import Dataflow
+from .prove import Binding, NotProven, prove
+from .regions import Region, find_anchors, grow, mutates_outside, output_candidates
+from .report import GraphReport, RegionReport
+
+log = logging.getLogger(__name__)
+
+
+def fused_gdn(q, k, v, g, beta, initial_state, *, head_major, state_v_first, l2norm, scale, output_head_major,
+              output_dtype):
+    """What a proven region becomes: layout adapters around one ``qla::chunk_gdr_fwd`` call."""
+    q, k, v, g, beta = (x.transpose(1, 2) if m else x for x, m in zip((q, k, v, g, beta), head_major))
+    if initial_state is not None:
+        initial_state = initial_state.to(torch.float32)
+    o, state = ops.chunk_gdr_fwd(q, k, v, g, beta, None, None, initial_state, None, scale, l2norm, False, False,
+                                 False, state_v_first)
+    o = o.to(output_dtype)
+    return (o.transpose(1, 2) if output_head_major else o), state
+
+
+def count_qla_calls(graph: fx.Graph) -> int:
+    """Calls of our ops or of our fused-region function in ``graph``."""
+    return sum(
+        n.op == "call_function" and (n.target is fused_gdn or "qla" in str(n.target) or
+                                     getattr(n.target, "__module__", "").startswith("qla_compile"))
+        for n in graph.nodes
+    )
+
+
+def fuse_gdn_regions(gm: fx.GraphModule, report: GraphReport) -> None:
+    """Replace every proven GDN region of ``gm`` in place; append one ``RegionReport`` per anchor."""
+    start = time.perf_counter()
+    report.front_door_calls = count_qla_calls(gm.graph)
+    tried: set[fx.Node] = set()
+    while True:
+        flow = Dataflow(gm.graph)
+        anchors = [a for a in find_anchors(flow) if a not in tried]
+        if not anchors:
+            break
+        tried.add(anchors[0])
+        result = _fuse_one(gm, flow, anchors[0])
+        log.info("qla_compile: region at %s: %s (%s)", result.anchor, result.status, result.reason)
+        report.regions.append(result)
+    gm.graph.lint()
+    gm.recompile()
+    report.nodes_after = len(gm.graph.nodes)
+    report.pass_seconds = time.perf_counter() - start
+
+
+def _fuse_one(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node) -> RegionReport:
+    result = RegionReport(anchor.name, "rejected", "", where=_where(anchor))
+    candidates = output_candidates(flow, anchor)
+    if not candidates:
+        result.reason = "its flow does not end in one 4-D output (and optionally a final state)"
+        return result
+    for outputs in candidates:
+        region = grow(flow, anchor, outputs)
+        result.nodes = len(region.nodes)
+        writer = mutates_outside(region)
+        if writer is not None:
+            result.reason = f"{writer.name} writes into a tensor owned outside the region"
+            continue
+        try:
+            binding = prove(gm, region)
+        except NotProven as exc:
+            result.reason = str(exc)
+            continue
+        problem = _replace(gm, flow, region, binding)
+        if problem:
+            result.reason = problem
+            continue
+        result.status, result.reason = "replaced", _describe(region, binding)
+        return result
+    return result
+
+
+def _replace(gm: fx.GraphModule, flow: Dataflow, region: Region, b: Binding) -> str:
+    """Swap the region for a ``fused_gdn`` call; returns a reason when it cannot be placed, else ''."""
+    position = min(region.outputs, key=flow.index.__getitem__)
+    if any(flow.index[i] >= flow.index[position] for i in region.inputs):
+        return "an input is computed after the region's output; cannot place the fused call"
+    inputs = region.inputs
+    args = tuple(inputs[i] for i in (b.q, b.k, b.v, b.g, b.beta)) + (
+        None if b.initial_state is None else inputs[b.initial_state],)
+    kwargs = dict(head_major=b.head_major, state_v_first=b.state_v_first, l2norm=b.l2norm, scale=b.scale,
+                  output_head_major=b.output_head_major, output_dtype=b.output_dtype)
+    graph = gm.graph
+    owned = set(region.nodes)
+    with graph.inserting_before(position):
+        fused = graph.call_function(fused_gdn, args, kwargs)
+        fused.meta.update({k: v for k, v in position.meta.items() if k in ("stack_trace", "nn_module_stack")})
+        for i, old in enumerate(region.outputs):
+            new = graph.call_function(operator.getitem, (fused, i))
+            new.meta.update(old.meta)
+            old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in owned)
+    for node in reversed(region.nodes):
+        _erase(graph, node)
+    return ""
+
+
+def _erase(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` and the dead code hanging off it (e.g. a final state nobody reads)."""
+    if node._erased:
+        return
+    for user in list(node.users):
+        _erase(graph, user)
+    graph.erase_node(node)
+
+
+def _describe(region: Region, b: Binding) -> str:
+    name = [n.name for n in region.inputs]
+    layout = "".join("H" if m else "T" for m in b.head_major)
+    state = f", initial_state={name[b.initial_state]}" if b.initial_state is not None else ""
+    final = ", final state" if len(region.outputs) > 1 else ""
+    return (f"q={name[b.q]} k={name[b.k]} v={name[b.v]} g={name[b.g]} beta={name[b.beta]}{state}; "
+            f"layouts {layout} (T: token-major, H: head-major), l2norm={b.l2norm}, scale={b.scale:.6g}{final}")
+
+
+def _where(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)
+    if not frames:
+        return ""
+    path, line, fn = frames[-1]
+    return f"{fn} ({path.rsplit('/', 1)[-1]}:{line})"
+

@@ -1,0 +1,226 @@
+"""Prove a candidate region: run it and our op on the same random inputs, for each plausible binding.
+
+A binding says which region input is q, k, v, g, beta (and optionally the initial state), in which layout
+(token-major ``[B,T,H,D]`` or head-major ``[B,H,T,D]``), whether q/k are L2-normalised inside, the output
+scale (fitted: o is linear in it) and the output layout.  GVA needs no option: the op's head mapping
+(v-head h reads qk-head h // G) is checked like everything else.  A binding is accepted only if it matches
+on two independent random draws; the region is then known to compute ``chunk_gated_delta_rule``.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import optimization_hint as hint_int
+
+from .. import ops
+from .dataflow import is_tensor, value
+from .regions import Region
+
+_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6}
+_HALF_TOLERANCE = 2e-2
+_MAX_HYPOTHESES = 256
+
+
+@dataclass(frozen=True)
+class Binding:
+    """How a proven region maps onto ``qla::chunk_gdr_fwd``; indices refer to ``Region.inputs``."""
+
+    q: int
+    k: int
+    v: int
+    g: int
+    beta: int
+    initial_state: int | None
+    head_major: tuple[bool, bool, bool, bool, bool]   # q, k, v, g, beta
+    state_v_first: bool
+    l2norm: bool
+    scale: float
+    output_head_major: bool
+    output_dtype: torch.dtype
+
+
+class NotProven(Exception):
+    """The region is not a gated delta rule under any binding (the message says why)."""
+
+
+def extract(gm: fx.GraphModule, region: Region) -> fx.GraphModule:
+    """The region as a standalone GraphModule: inputs -> outputs."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, node in enumerate(region.inputs):
+        env[node] = graph.placeholder(f"in_{i}")
+    for node in region.nodes:
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(tuple(env[o] for o in region.outputs))
+    return fx.GraphModule(gm, graph)
+
+
+def _shape(node) -> list[int]:
+    return [hint_int(s) for s in value(node).shape]
+
+
+def _concrete(x):
+    """A SymInt/SymFloat/size as the plain number dynamo traced it with."""
+    if isinstance(x, torch.SymInt):
+        return hint_int(x)
+    if isinstance(x, torch.SymBool):
+        return bool(x.node.hint)
+    if isinstance(x, torch.SymFloat):
+        return x.node.hint
+    if isinstance(x, (tuple, list, torch.Size)):
+        return type(x)(_concrete(y) for y in x) if not isinstance(x, torch.Size) else torch.Size(map(_concrete, x))
+    return x
+
+
+def _dims(shape, head_major):
+    """(B, T, H, D...) of a token-major or head-major shape."""
+    if head_major:
+        return (shape[0], shape[2], shape[1], *shape[3:])
+    return tuple(shape)
+
+
+def _hypotheses(region: Region):
+    """Structural bindings consistent with the input shapes (roles and layouts), without options."""
+    tensors = [i for i, n in enumerate(region.inputs) if is_tensor(n)]
+    four = [i for i in tensors if value(region.inputs[i]).dim() == 4]
+    three = [i for i in tensors if value(region.inputs[i]).dim() == 3]
+    if len(four) + len(three) != len(tensors):
+        odd = [region.inputs[i].name for i in tensors if i not in four and i not in three]
+        raise NotProven(f"inputs other than 3-D/4-D tensors: {odd}")
+    if len(three) != 2 or len(four) not in (3, 4):
+        raise NotProven(f"needs 3 or 4 four-dim inputs (q, k, v, initial state) and 2 three-dim inputs "
+                        f"(g, beta); found {len(four)} and {len(three)}")
+    shape = {i: _shape(region.inputs[i]) for i in tensors}
+    for q, k, v, *h0 in itertools.permutations(four):
+        for g, beta in itertools.permutations(three):
+            for hm in itertools.product((False, True), repeat=5):
+                dq, dk, dv = (_dims(shape[x], m) for x, m in zip((q, k, v), hm))
+                dg, db = (_dims(shape[x], m) for x, m in zip((g, beta), hm[3:]))
+                B, T, H, K = dq
+                HV, V = dv[2], dv[3]
+                if dk != dq or dv[:2] != (B, T) or HV % H or dg != (B, T, HV) or db != dg:
+                    continue
+                if not h0:
+                    yield (q, k, v, g, beta, None, hm, False)
+                    continue
+                for v_first in (False, True):
+                    if tuple(shape[h0[0]]) == ((B, HV, V, K) if v_first else (B, HV, K, V)):
+                        yield (q, k, v, g, beta, h0[0], hm, v_first)
+
+
+def _draw(region: Region, hyp, seed: int) -> tuple[list, dict]:
+    """Random region inputs for a hypothesis, and the same values in the op's canonical layout."""
+    q, k, v, g, beta, h0, hm, v_first = hyp
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {i: _dims(_shape(region.inputs[i]), m) for i, m in zip((q, k, v, g, beta), hm)}
+    B, T, H, K = shapes[q]
+    HV, V = shapes[v][2], shapes[v][3]
+    strength = torch.linspace(0.0, 4.0, HV)
+    canon = {
+        "q": torch.randn(B, T, H, K, generator=gen),
+        # keys of norm 0.5..1: stable without a norm, and changed by one (so L2 on/off is told apart)
+        "k": F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+        * (0.5 + 0.5 * torch.rand(B, T, H, 1, generator=gen)),
+        "v": torch.randn(B, T, HV, V, generator=gen),
+        "g": -strength * F.softplus(torch.randn(B, T, HV, generator=gen)) - 0.01,
+        "beta": torch.rand(B, T, HV, generator=gen),
+    }
+    if h0 is not None:
+        canon["initial_state"] = 0.3 * torch.randn(B, HV, V, K, generator=gen) if v_first else \
+            0.3 * torch.randn(B, HV, K, V, generator=gen)
+    args = []
+    roles = dict(zip((q, k, v, g, beta), ("q", "k", "v", "g", "beta")))
+    layouts = dict(zip((q, k, v, g, beta), hm))
+    for i, node in enumerate(region.inputs):
+        if i in roles:
+            x = canon[roles[i]]
+            x = x.transpose(1, 2) if layouts[i] else x
+            args.append(x.to(value(node).dtype).contiguous())
+        elif i == h0:
+            args.append(canon["initial_state"].to(value(node).dtype))
+        elif isinstance(value(node), torch.Tensor):
+            raise NotProven(f"input {node.name} has no role")
+        else:
+            args.append(_concrete(value(node)))
+    return args, canon
+
+
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _run_op(canon: dict, l2norm: bool, v_first: bool):
+    return ops.chunk_gdr_fwd(
+        canon["q"], canon["k"], canon["v"], canon["g"], canon["beta"], None, None, canon.get("initial_state"),
+        None, 1.0, l2norm, False, False, False, v_first,
+    )
+
+
+def _match(region: Region, sub: fx.GraphModule, hyp, seed: int, fixed: dict | None = None):
+    """(error, options) of the best option set for one hypothesis on one random draw."""
+    args, canon = _draw(region, hyp, seed)
+    outs = sub(*args)
+    o_ref = outs[0]
+    st_ref = outs[1] if len(outs) > 1 else None
+    if not isinstance(o_ref, torch.Tensor) or o_ref.dim() != 4:
+        raise NotProven("the region's output is not a 4-D tensor")
+    tol = _TOLERANCE.get(o_ref.dtype, _HALF_TOLERANCE)
+    best = (math.inf, None)
+    for l2norm in ((fixed["l2norm"],) if fixed else (False, True)):
+        o1, st1 = _run_op(canon, l2norm, hyp[7])
+        if st_ref is not None and tuple(st_ref.shape) != tuple(st1.shape):
+            continue
+        st_err = 0.0 if st_ref is None else _rel_err(st_ref, st1)
+        for head_major in ((fixed["output_head_major"],) if fixed else (False, True)):
+            o_can = o_ref.transpose(1, 2) if head_major else o_ref
+            if tuple(o_can.shape) != tuple(o1.shape):
+                continue
+            o1d, od = o1.double(), o_can.double()
+            scale = fixed["scale"] if fixed else (od * o1d).sum().item() / max((o1d * o1d).sum().item(), 1e-30)
+            err = max(_rel_err(o_can, scale * o1d), st_err)
+            if err < best[0]:
+                best = (err, dict(l2norm=l2norm, output_head_major=head_major, scale=_snap(scale, canon["q"]),
+                                  output_dtype=o_ref.dtype, tol=tol))
+    return best
+
+
+def _snap(scale: float, q: torch.Tensor) -> float:
+    for nice in (q.shape[-1] ** -0.5, 1.0):
+        if abs(scale - nice) <= 1e-4 * nice:
+            return nice
+    return scale
+
+
+def prove(gm: fx.GraphModule, region: Region) -> Binding:
+    """The binding under which the region equals our op on two random draws; raises ``NotProven``."""
+    sub = extract(gm, region)
+    best_err = math.inf
+    with unset_fake_temporarily(), torch.no_grad():
+        for n, hyp in enumerate(_hypotheses(region)):
+            if n == _MAX_HYPOTHESES:
+                break
+            try:
+                err, opts = _match(region, sub, hyp, seed=1234)
+            except NotProven:
+                raise
+            except Exception:  # noqa: BLE001  (a wrong binding may make the region itself fail)
+                continue
+            best_err = min(best_err, err)
+            if opts is None or err > opts["tol"]:
+                continue
+            err2, opts2 = _match(region, sub, hyp, seed=4321, fixed=opts)
+            if opts2 is None or err2 > opts["tol"]:
+                continue
+            q, k, v, g, beta, h0, hm, v_first = hyp
+            return Binding(q, k, v, g, beta, h0, hm, v_first, opts["l2norm"], opts["scale"],
+                           opts["output_head_major"], opts["output_dtype"])
+    if best_err == math.inf:
+        raise NotProven("no binding of the inputs fits q, k, v, g, beta shapes, or the region failed to run")
+    raise NotProven(f"outputs differ from the delta rule under every binding (best relative error {best_err:.2e})")
