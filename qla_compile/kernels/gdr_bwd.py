@@ -1,0 +1,405 @@
+"""TileLang kernels for the GDN chunked backward on SM90 (chunk C = 64), and their host entry point.
+
+Notation as in ``shared/docs/gdn-kernel-design.md`` §1.4 and ``reference._backward_chunks`` (the
+executable spec): gamma = in-chunk inclusive cumsum of g, e = exp(gamma), r = exp(gamma_C - gamma),
+a = exp(gamma_C), Gamma_ij = exp(gamma_i - gamma_j) (i >= j), A_g = Gamma o T~ o beta_col,
+P_g = scale Gamma o Q K^T, U0 = K S, W' = V - e o U0, V' = A_g W'.
+
+Pipeline (one packed token stream, chunks numbered globally as in ``gdr_fwd``):
+
+1. ``gdr_fwd.kkt_inverse`` -- T~ per chunk (the forward's kernel, reused).
+2. :func:`chunk_states` -- one CTA per (sequence, v-head, DV slice) runs the state recurrence and
+   stores every chunk-start state S in the input dtype, ``[chunk, H_v, K, V]``.
+3. :func:`chunk_bwd` -- one CTA per (sequence, v-head) walks the chunks in reverse with dS (fp32)
+   in registers and writes dq, dk (per v-head, fp32), dv, dg, dbeta and dh0.
+4. On the host: dq, dk summed over each GVA group.
+
+dg is formed without cancellation, as in the reference: dg_t = sum_{s>=t} de_s + sum_{s<t} dr_s
++ a <dS', S> + sum_{s>=t, j<t} Y_sj with Y = dP o P_g + dA o A_g, all in fp32.
+GEMM operands are in the input dtype (bf16 keeps dO-sized values in range); accumulators fp32.
+"""
+
+import torch
+import tilelang.language as T
+
+from . import _DTYPES, _check, _tables, gdr_fwd
+from ._build import compiled
+
+CHUNK = gdr_fwd.CHUNK
+_LOG2E = 1.4426950408889634
+# Below this many (sequence, v-head) pairs the state recompute splits V in two to fill the SMs.
+_FULL_DV_MIN_CTAS = 88
+
+
+@compiled
+def chunk_states(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128, threads: int = 256):
+    """Chunk-start states ``h[chunk, hv] = S`` (input dtype) of the forward recurrence."""
+    n_tok = T.dynamic("n_tok")
+    n_chunk = T.dynamic("n_chunk")
+    n_seq1 = T.dynamic("n_seq1")
+    n_h0 = T.dynamic("n_h0")
+    h_qk = T.dynamic("h_qk")
+    h_v = T.dynamic("h_v")
+    C = CHUNK
+    acc = "float32"
+
+    @T.prim_func
+    def kernel(
+        k: T.Tensor((n_tok, h_qk, dk), dtype),
+        v: T.Tensor((n_tok, h_v, dv), dtype),
+        g: T.Tensor((h_v, n_tok), acc),
+        beta: T.Tensor((h_v, n_tok), acc),
+        tt: T.Tensor((n_chunk, h_v, C, C), "float16"),
+        cu_seqlens: T.Tensor((n_seq1,), "int32"),
+        chunk_offsets: T.Tensor((n_seq1,), "int32"),
+        h0: T.Tensor((n_h0, h_v, dk, dv), acc),
+        h: T.Tensor((n_chunk, h_v, dk, dv), dtype),
+    ):
+        with T.Kernel(n_seq1 - 1, h_v, dv // block_dv, threads=threads) as (seq, hv, bv):
+            k_s = T.alloc_shared((C, dk), dtype)
+            v_s = T.alloc_shared((C, block_dv), dtype)
+            tt_s = T.alloc_shared((C, C), "float16")
+            g_s = T.alloc_shared((C,), acc)
+            b_s = T.alloc_shared((C,), acc)
+            gam_s = T.alloc_shared((C,), acc)
+            e_s = T.alloc_shared((C,), acc)
+            r_s = T.alloc_shared((C,), acc)
+            s_s = T.alloc_shared((dk, block_dv), dtype)
+            a_s = T.alloc_shared((C, C), dtype)
+            w_s = T.alloc_shared((C, block_dv), dtype)
+            s_f = T.alloc_fragment((dk, block_dv), acc)
+            u_f = T.alloc_fragment((C, block_dv), acc)
+
+            v0 = bv * block_dv
+            bos = cu_seqlens[seq]
+            seqlen = cu_seqlens[seq + 1] - bos
+            coff = chunk_offsets[seq]
+            if has_h0:
+                T.copy(h0[seq, hv, :, v0 : v0 + block_dv], s_f)
+            else:
+                T.clear(s_f)
+
+            for ci in T.serial(T.ceildiv(seqlen, C)):
+                start = bos + ci * C
+                length = T.min(seqlen - ci * C, C)
+                T.copy(k[start : start + C, hv // (h_v // h_qk), :], k_s)
+                T.copy(v[start : start + C, hv, v0 : v0 + block_dv], v_s)
+                T.copy(tt[coff + ci, hv, :, :], tt_s)
+                T.copy(g[hv, start : start + C], g_s)
+                T.copy(beta[hv, start : start + C], b_s)
+                if length < C:  # rows past the sequence's end are zero
+                    for i, d in T.Parallel(C, dk):
+                        k_s[i, d] = T.if_then_else(i < length, k_s[i, d], T.cast(0, dtype))
+                    for i, d in T.Parallel(C, block_dv):
+                        v_s[i, d] = T.if_then_else(i < length, v_s[i, d], T.cast(0, dtype))
+                for i in T.Parallel(C):
+                    gam_s[i] = T.if_then_else(i < length, g_s[i], T.float32(0))
+                    b_s[i] = T.if_then_else(i < length, b_s[i], T.float32(0))
+                T.cumsum(gam_s, dim=0)
+                for i in T.Parallel(C):
+                    e_s[i] = T.exp2(gam_s[i] * _LOG2E)
+                    r_s[i] = T.exp2((gam_s[C - 1] - gam_s[i]) * _LOG2E)
+                T.copy(s_f, s_s)
+                T.copy(s_s, h[coff + ci, hv, :, v0 : v0 + block_dv])
+                for i, j in T.Parallel(C, C):
+                    gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
+                    a_s[i, j] = T.cast(gm * T.cast(tt_s[i, j], acc) * b_s[j], dtype)
+                # W' = V - e o K S;  V' = A_g W';  S = a S + K^T (r o V')
+                T.gemm(k_s, s_s, u_f, clear_accum=True)
+                for i, d in T.Parallel(C, block_dv):
+                    w_s[i, d] = T.cast(T.cast(v_s[i, d], acc) - e_s[i] * u_f[i, d], dtype)
+                T.gemm(a_s, w_s, u_f, clear_accum=True)
+                for i, d in T.Parallel(C, block_dv):
+                    w_s[i, d] = T.cast(r_s[i] * u_f[i, d], dtype)
+                for a, b in T.Parallel(dk, block_dv):
+                    s_f[a, b] = s_f[a, b] * e_s[C - 1]
+                T.gemm(k_s, w_s, s_f, transpose_A=True)
+
+    return kernel
+
+
+@compiled
+def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, threads: int = 256):
+    """Reverse-chunk backward per (sequence, v-head): dq, dk (per v-head), dv, dg, dbeta, dh0."""
+    n_tok = T.dynamic("n_tok")
+    n_chunk = T.dynamic("n_chunk")
+    n_seq1 = T.dynamic("n_seq1")
+    n_dht = T.dynamic("n_dht")
+    h_qk = T.dynamic("h_qk")
+    h_v = T.dynamic("h_v")
+    C = CHUNK
+    acc = "float32"
+
+    @T.prim_func
+    def kernel(
+        q: T.Tensor((n_tok, h_qk, dk), dtype),
+        k: T.Tensor((n_tok, h_qk, dk), dtype),
+        v: T.Tensor((n_tok, h_v, dv), dtype),
+        do: T.Tensor((n_tok, h_v, dv), dtype),
+        g: T.Tensor((h_v, n_tok), acc),
+        beta: T.Tensor((h_v, n_tok), acc),
+        tt: T.Tensor((n_chunk, h_v, C, C), "float16"),
+        h: T.Tensor((n_chunk, h_v, dk, dv), dtype),
+        cu_seqlens: T.Tensor((n_seq1,), "int32"),
+        chunk_offsets: T.Tensor((n_seq1,), "int32"),
+        dht: T.Tensor((n_dht, h_v, dk, dv), acc),
+        scale: T.float32,
+        dq_out: T.Tensor((n_tok, h_v, dk), acc),
+        dk_out: T.Tensor((n_tok, h_v, dk), acc),
+        dv_out: T.Tensor((n_tok, h_v, dv), dtype),
+        dg_out: T.Tensor((h_v, n_tok), acc),
+        db_out: T.Tensor((h_v, n_tok), acc),
+        dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
+    ):
+        with T.Kernel(n_seq1 - 1, h_v, threads=threads) as (seq, hv):
+            q_s = T.alloc_shared((C, dk), dtype)
+            k_s = T.alloc_shared((C, dk), dtype)
+            v_s = T.alloc_shared((C, dv), dtype)  # V, then e o U0, then dU0
+            do_s = T.alloc_shared((C, dv), dtype)
+            s_s = T.alloc_shared((dk, dv), dtype)  # S
+            ds_s = T.alloc_shared((dk, dv), dtype)  # dS'
+            w_s = T.alloc_shared((C, dv), dtype)  # W', then scale e o dO
+            vn_s = T.alloc_shared((C, dv), dtype)
+            dvn_s = T.alloc_shared((C, dv), dtype)
+            tt_s = T.alloc_shared((C, C), dtype)  # T~ in the GEMM dtype (fp16 values read from tt)
+            a_s = T.alloc_shared((C, C), dtype)  # A_g, then T~^T dT~, then dQK
+            p_s = T.alloc_shared((C, C), dtype)  # P_g, then dT~, then beta o dL
+            y_s = T.alloc_shared((C, C), acc)  # Y (columns xor-swizzled by row % 32)
+            g_s = T.alloc_shared((C,), acc)
+            b_s = T.alloc_shared((C,), acc)
+            gam_s = T.alloc_shared((C,), acc)
+            e_s = T.alloc_shared((C,), acc)
+            r_s = T.alloc_shared((C,), acc)
+            de_s = T.alloc_shared((C,), acc)
+            dr_s = T.alloc_shared((C,), acc)
+            db_s = T.alloc_shared((C,), acc)
+            db2_s = T.alloc_shared((C,), acc)
+            sd_s = T.alloc_shared((dk,), acc)
+            ds_f = T.alloc_fragment((dk, dv), acc)
+            sq_f = T.alloc_fragment((dk, dv), acc)
+            sd_f = T.alloc_fragment((dk,), acc)
+            b1_f = T.alloc_fragment((C, dv), acc)
+            b2_f = T.alloc_fragment((C, dv), acc)
+            dk_f = T.alloc_fragment((C, dk), acc)
+            qk_f = T.alloc_fragment((C, C), acc)
+            s1_f = T.alloc_fragment((C, C), acc)
+            s2_f = T.alloc_fragment((C, C), acc)
+            dr_f = T.alloc_fragment((C,), acc)
+            deu_f = T.alloc_fragment((C,), acc)
+            deq_f = T.alloc_fragment((C,), acc)
+            db1_f = T.alloc_fragment((C,), acc)
+            db2_f = T.alloc_fragment((C,), acc)
+            run = T.alloc_var(acc)
+            tot = T.alloc_var(acc)
+
+            hk = hv // (h_v // h_qk)
+            bos = cu_seqlens[seq]
+            seqlen = cu_seqlens[seq + 1] - bos
+            coff = chunk_offsets[seq]
+            n_c = T.ceildiv(seqlen, C)
+            tx = T.get_thread_binding()
+            if has_dht:
+                T.copy(dht[seq, hv, :, :], ds_f)
+            else:
+                T.clear(ds_f)
+
+            for it in T.serial(n_c):
+                ci = n_c - 1 - it
+                start = bos + ci * C
+                length = T.min(seqlen - ci * C, C)
+                T.copy(q[start : start + C, hk, :], q_s)
+                T.copy(k[start : start + C, hk, :], k_s)
+                T.copy(v[start : start + C, hv, :], v_s)
+                T.copy(do[start : start + C, hv, :], do_s)
+                T.copy(h[coff + ci, hv, :, :], s_s)
+                T.copy(g[hv, start : start + C], g_s)
+                T.copy(beta[hv, start : start + C], b_s)
+                if length < C:  # rows past the sequence's end are zero
+                    for i, d in T.Parallel(C, dk):
+                        q_s[i, d] = T.if_then_else(i < length, q_s[i, d], T.cast(0, dtype))
+                        k_s[i, d] = T.if_then_else(i < length, k_s[i, d], T.cast(0, dtype))
+                    for i, d in T.Parallel(C, dv):
+                        v_s[i, d] = T.if_then_else(i < length, v_s[i, d], T.cast(0, dtype))
+                        do_s[i, d] = T.if_then_else(i < length, do_s[i, d], T.cast(0, dtype))
+                for i in T.Parallel(C):
+                    gam_s[i] = T.if_then_else(i < length, g_s[i], T.float32(0))
+                    b_s[i] = T.if_then_else(i < length, b_s[i], T.float32(0))
+                T.cumsum(gam_s, dim=0)
+                for i in T.Parallel(C):
+                    e_s[i] = T.exp2(gam_s[i] * _LOG2E)
+                    r_s[i] = T.exp2((gam_s[C - 1] - gam_s[i]) * _LOG2E)
+                # dS' to smem; <dS', S> row sums for the gamma_C term
+                T.copy(ds_f, ds_s)
+                for a, b in T.Parallel(dk, dv):
+                    sq_f[a, b] = ds_f[a, b] * T.cast(s_s[a, b], acc)
+                T.reduce_sum(sq_f, sd_f, dim=1)
+                T.copy(sd_f, sd_s)
+                # P_g = scale Gamma o Q K^T and A_g = Gamma o T~ o beta_col
+                T.gemm(q_s, k_s, qk_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
+                    p_s[i, j] = T.cast(scale * gm * qk_f[i, j], dtype)
+                    a_s[i, j] = T.cast(gm * T.cast(tt[coff + ci, hv, i, j], acc) * b_s[j], dtype)
+                    tt_s[i, j] = T.cast(tt[coff + ci, hv, i, j], dtype)
+                # W' = V - e o U0 (v_s keeps e o U0);  V' = A_g W'
+                T.gemm(k_s, s_s, b1_f, clear_accum=True)
+                for i, d in T.Parallel(C, dv):
+                    w_s[i, d] = T.cast(T.cast(v_s[i, d], acc) - e_s[i] * b1_f[i, d], dtype)
+                    v_s[i, d] = T.cast(e_s[i] * b1_f[i, d], dtype)
+                T.gemm(a_s, w_s, b1_f, clear_accum=True)
+                T.copy(b1_f, vn_s)
+                # dV' = r o K dS' + P_g^T dO;  dr = rowsum(r o V' o K dS')
+                T.gemm(k_s, ds_s, b2_f, clear_accum=True)
+                for i, d in T.Parallel(C, dv):
+                    b2_f[i, d] = r_s[i] * b2_f[i, d]
+                    b1_f[i, d] = b1_f[i, d] * b2_f[i, d]
+                T.reduce_sum(b1_f, dr_f, dim=1)
+                T.copy(dr_f, dr_s)
+                T.gemm(p_s, do_s, b2_f, transpose_A=True)
+                T.copy(b2_f, dvn_s)
+                # dk starts with r o (V' dS'^T)
+                T.gemm(vn_s, ds_s, dk_f, transpose_B=True, clear_accum=True)
+                for i, d in T.Parallel(C, dk):
+                    dk_f[i, d] = r_s[i] * dk_f[i, d]
+                # dv = dW' = A_g^T dV';  de -= rowsum(e o U0 o dW');  v_s <- dU0 = -e o dW'
+                T.gemm(a_s, dvn_s, b1_f, transpose_A=True, clear_accum=True)
+                for i, d in T.Parallel(C, dv):
+                    if i < length:
+                        dv_out[start + i, hv, d] = T.cast(b1_f[i, d], dtype)
+                    b2_f[i, d] = T.cast(v_s[i, d], acc) * b1_f[i, d]
+                T.reduce_sum(b2_f, deu_f, dim=1)
+                for i, d in T.Parallel(C, dv):
+                    v_s[i, d] = T.cast(-e_s[i] * b1_f[i, d], dtype)
+                # dA = dV' W'^T: dbeta_j += sum_i dA o Gamma o T~; dT~ = dA o Gamma o beta_col; Y = dA o A_g
+                T.gemm(dvn_s, w_s, s1_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
+                    s2_f[i, j] = s1_f[i, j] * gm * T.cast(tt[coff + ci, hv, i, j], acc)
+                    y_s[i, T.bitwise_xor(j, i % 32)] = s2_f[i, j] * b_s[j]
+                    p_s[i, j] = T.cast(s1_f[i, j] * gm * b_s[j], dtype)
+                T.reduce_sum(s2_f, db1_f, dim=0)
+                T.copy(db1_f, db_s)
+                # dL = -(T~^T dT~ T~^T) strictly lower;  dbeta_i += rowsum(dL o K K^T);  p_s <- beta o dL
+                T.gemm(tt_s, p_s, s1_f, transpose_A=True, clear_accum=True)
+                T.copy(s1_f, a_s)
+                T.gemm(a_s, tt_s, s1_f, transpose_B=True, clear_accum=True)
+                T.gemm(k_s, k_s, s2_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    dl = T.if_then_else(j < i, -s1_f[i, j], T.float32(0))
+                    s2_f[i, j] = dl * s2_f[i, j]
+                    p_s[i, j] = T.cast(b_s[i] * dl, dtype)
+                T.reduce_sum(s2_f, db2_f, dim=1)
+                T.copy(db2_f, db2_s)
+                T.gemm(p_s, k_s, dk_f)
+                T.gemm(p_s, k_s, dk_f, transpose_A=True)
+                # dP = dO V'^T;  dQK = scale Gamma o dP (a_s);  Y += dP o P_g
+                T.gemm(do_s, vn_s, s1_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
+                    a_s[i, j] = T.cast(scale * gm * s1_f[i, j], dtype)
+                    y_s[i, T.bitwise_xor(j, i % 32)] += scale * gm * s1_f[i, j] * qk_f[i, j]
+                # dq = scale e o (dO S^T) + dQK K;  de += rowsum(q o scale e o dO S^T)
+                T.gemm(do_s, s_s, b1_f, transpose_B=True, clear_accum=True)
+                for i, d in T.Parallel(C, dk):
+                    b1_f[i, d] = scale * e_s[i] * b1_f[i, d]
+                    b2_f[i, d] = b1_f[i, d] * T.cast(q_s[i, d], acc)
+                T.reduce_sum(b2_f, deq_f, dim=1)
+                T.gemm(a_s, k_s, b1_f)
+                # dk += dU0 S^T + dQK^T Q
+                T.gemm(v_s, s_s, dk_f, transpose_B=True)
+                T.gemm(a_s, q_s, dk_f, transpose_A=True)
+                for i, d in T.Parallel(C, dk):
+                    if i < length:
+                        dq_out[start + i, hv, d] = b1_f[i, d]
+                        dk_out[start + i, hv, d] = dk_f[i, d]
+                for i in T.Parallel(C):
+                    de_s[i] = deq_f[i] - deu_f[i]
+                # dS = a dS' + Q^T (scale e o dO) + K^T dU0
+                for i, d in T.Parallel(C, dv):
+                    w_s[i, d] = T.cast(scale * e_s[i] * T.cast(do_s[i, d], acc), dtype)
+                for a, b in T.Parallel(dk, dv):
+                    ds_f[a, b] = ds_f[a, b] * e_s[C - 1]
+                T.gemm(q_s, w_s, ds_f, transpose_A=True)
+                T.gemm(k_s, v_s, ds_f, transpose_A=True)
+                # dg_t = sum_{s>=t} (de_s + sum_{j<t} Y_sj) + sum_{s<t} dr_s + a <dS', S>
+                if tx < C:
+                    run = T.float32(0)
+                    for j in T.serial(C):
+                        tot = y_s[tx, T.bitwise_xor(j, tx % 32)]
+                        y_s[tx, T.bitwise_xor(j, tx % 32)] = run
+                        run = run + tot
+                T.sync_threads()
+                if tx < C:
+                    tot = T.float32(0)
+                    for a in T.serial(dk):
+                        tot = tot + sd_s[a]
+                    tot = tot * e_s[C - 1]
+                    for s in T.serial(C):
+                        if s >= tx:
+                            tot = tot + de_s[s] + y_s[s, T.bitwise_xor(tx, s % 32)]
+                        else:
+                            tot = tot + dr_s[s]
+                    if tx < length:
+                        dg_out[hv, start + tx] = tot
+                        db_out[hv, start + tx] = db_s[tx] + db2_s[tx]
+                T.sync_threads()
+
+            if has_h0:
+                T.copy(ds_f, dh0[seq, hv, :, :])
+
+    return kernel
+
+
+def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None):
+    """GDN chunked backward on SM90: ``(dq, dk, dv, dg, dbeta, dh0)``.
+
+    Inputs as for ``chunk_gdr_fwd_hopper`` with the activations already applied: q, k ``[B,T,H_qk,K]``
+    (L2-normalised if that option is on), v and do ``[B,T,H_v,V]`` (bf16/fp16, one dtype), g ``[B,T,H_v]``
+    the activated log gate (<= 0), beta ``[B,T,H_v]`` activated; dht and initial_state fp32 ``[N,H_v,K,V]``
+    or None; cu_seqlens ``[N+1]`` (B == 1) or None.  dq, dk, dv come back in q's dtype, dg and dbeta in
+    g's and beta's dtypes, dh0 fp32 (None without an initial state).  Tokens past ``cu_seqlens[-1]``
+    get zero gradients.
+    """
+    _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T_, h_qk, dk = q.shape
+    h_v, dv = v.shape[2], v.shape[3]
+    dtype = _DTYPES[q.dtype]
+    n_tok = B * T_
+    dev = q.device
+    q3 = q.reshape(n_tok, h_qk, dk).contiguous()
+    k3 = k.reshape(n_tok, h_qk, dk).contiguous()
+    v3 = v.reshape(n_tok, h_v, dv).contiguous()
+    do3 = do.reshape(n_tok, h_v, dv).to(v.dtype).contiguous()
+    g2 = g.reshape(n_tok, h_v).t().to(torch.float32).contiguous()
+    b2 = beta.reshape(n_tok, h_v).t().to(torch.float32).contiguous()
+    cu, offsets = _tables(cu_seqlens, B, T_, dev)
+    n_seq = cu.numel() - 1
+    n_slots = n_tok // CHUNK + n_seq
+
+    tt = torch.empty(n_slots, h_v, CHUNK, CHUNK, device=dev, dtype=torch.float16)
+    gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, b2, cu, offsets, tt)
+
+    has_h0 = initial_state is not None
+    h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty(1, h_v, dk, dv, device=dev)
+    block_dv = dv if n_seq * h_v >= _FULL_DV_MIN_CTAS else dv // 2
+    h = torch.empty(n_slots, h_v, dk, dv, device=dev, dtype=q.dtype)
+    chunk_states(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=block_dv)(k3, v3, g2, b2, tt, cu, offsets, h0, h)
+
+    has_dht = dht is not None
+    dht_ = dht.to(torch.float32).contiguous() if has_dht else torch.empty(1, h_v, dk, dv, device=dev)
+    f32 = dict(device=dev, dtype=torch.float32)
+    dq = torch.zeros(n_tok, h_v, dk, **f32)
+    dkh = torch.zeros(n_tok, h_v, dk, **f32)
+    dvo = torch.zeros_like(v3)
+    dg = torch.zeros(h_v, n_tok, **f32)
+    db = torch.zeros(h_v, n_tok, **f32)
+    dh0 = torch.empty(n_seq, h_v, dk, dv, **f32)
+    kernel = chunk_bwd(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht)
+    kernel(q3, k3, v3, do3, g2, b2, tt, h, cu, offsets, dht_, float(scale), dq, dkh, dvo, dg, db, dh0)
+
+    groups = h_v // h_qk
+    dq = dq.view(n_tok, h_qk, groups, dk).sum(2).to(q.dtype).view(B, T_, h_qk, dk)
+    dkh = dkh.view(n_tok, h_qk, groups, dk).sum(2).to(k.dtype).view(B, T_, h_qk, dk)
+    dg = dg.t().to(g.dtype).reshape(B, T_, h_v)
+    db = db.t().to(beta.dtype).reshape(B, T_, h_v)
+    return dq, dkh, dvo.view(B, T_, h_v, dv), dg, db, (dh0 if has_h0 else None)
