@@ -1,0 +1,65 @@
+"""Inputs and CUDA-graph timing shared by the device benchmarks."""
+
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+
+def parse_seqs(spec: str) -> list[int]:
+    """'1x32768' -> [32768]; '8192x4' -> [8192]*4; '28672+4096' -> [28672, 4096]."""
+    if "+" in spec:
+        return [int(s) for s in spec.split("+")]
+    a, b = (int(s) for s in spec.split("x"))
+    return [b] if a == 1 else [a] * b
+
+
+def make_inputs(h_qk, h_v, lens, dtype=torch.bfloat16, dk=128, dv=128, device="cuda", seed=0):
+    """FlashQLA-style inputs, packed varlen (B = 1): L2-normalised q/k, g = logsigmoid(N(0,1))/16
+    with every fourth head zero-decay, beta = sigmoid(N(0,1)) fp32, random fp32 h0."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    n_tok = sum(lens)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    q = F.normalize(randn(1, n_tok, h_qk, dk), dim=-1).to(dtype)
+    k = F.normalize(randn(1, n_tok, h_qk, dk), dim=-1).to(dtype)
+    v = randn(1, n_tok, h_v, dv).to(dtype)
+    g = F.logsigmoid(randn(1, n_tok, h_v)) / 16
+    g[..., ::4] = 0
+    beta = torch.sigmoid(randn(1, n_tok, h_v))
+    h0 = randn(len(lens), h_v, dk, dv)
+    cu = torch.tensor([0] + lens, device=device).cumsum(0)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, cu=cu, scale=dk**-0.5)
+
+
+def time_graph(fn, reps=20, rounds=5):
+    """Median milliseconds of one call of ``fn`` replayed from a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def rel_l2(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()

@@ -1,0 +1,133 @@
+"""Hopper (SM90) TileLang kernels for the GDN chunked-prefill forward.
+
+Entry points, called by ``qla_compile.ops`` on SM90 CUDA tensors:
+
+* :func:`hopper_supported` -- whether these kernels handle the given tensors.
+* :func:`chunk_gdr_fwd_hopper` -- ``(o, final_state)``.
+* :func:`chunk_gdr_fwd_hopper_aux` -- ``(o, final_state, tt, chunk_offsets)``, also returning the
+  gate-free inverse T~ for a backward pass.
+
+One compile per (K, V, dtype, has-initial-state) serves every head count, length and batch layout:
+a dense ``[B, T]`` batch runs as one packed sequence with ``cu_seqlens = [0, T, 2T, ...]``.
+
+CUDA graphs: dense inputs are capturable (no host sync; the chunk tables are built on the device).
+Varlen inputs are capturable too when ``cu_seqlens`` is a device tensor, because nothing reads it
+on the host; the number of chunk slots is bounded by ``T_total // 64 + N`` from shapes alone.
+"""
+
+import torch
+
+from . import gdr_fwd
+from ._build import TARGET, cache_dir
+
+__all__ = ["hopper_supported", "chunk_gdr_fwd_hopper", "chunk_gdr_fwd_hopper_aux", "TARGET", "cache_dir"]
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_HEAD_DIMS = (128,)
+# Below this many (sequence, v-head) pairs the V dimension is split in two to fill the 132 SMs.
+_FULL_DV_MIN_CTAS = 88
+
+
+def hopper_supported(q, k, v, *args, **kwargs) -> bool:
+    """True when the SM90 kernels handle these q, k, v (device, arch, dtype, head dims, GVA)."""
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        return False
+    h_qk, dk, h_v, dv = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
+    return dk in _HEAD_DIMS and dv in _HEAD_DIMS and h_v % h_qk == 0
+
+
+def _l2norm(x):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _tables(cu_seqlens, batch, seqlen, device):
+    """int32 cu_seqlens and chunk_offsets (exclusive cumsum of ceil(len / 64)), built on the device."""
+    if cu_seqlens is None:
+        steps = torch.arange(batch + 1, device=device, dtype=torch.int32)
+        return steps * seqlen, steps * ((seqlen + gdr_fwd.CHUNK - 1) // gdr_fwd.CHUNK)
+    cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    n_chunks = (cu[1:] - cu[:-1] + gdr_fwd.CHUNK - 1) // gdr_fwd.CHUNK
+    offsets = torch.zeros_like(cu)
+    torch.cumsum(n_chunks, 0, dtype=torch.int32, out=offsets[1:])
+    return cu, offsets
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens):
+    if not hopper_supported(q, k, v):
+        raise ValueError(
+            f"chunk_gdr_fwd_hopper: unsupported inputs q{tuple(q.shape)} {q.dtype}, v{tuple(v.shape)} {v.dtype} "
+            f"on {q.device}: need SM90 CUDA, bf16/fp16, K = V in {_HEAD_DIMS}, H_v % H_qk == 0"
+        )
+    B, T, _, _ = q.shape
+    h_v = v.shape[2]
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (B, T, h_v):
+            raise ValueError(f"{name} must have shape {(B, T, h_v)}, got {tuple(t.shape)}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires batch size 1, got {B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got {tuple(cu_seqlens.shape)}")
+    n = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape != (n, h_v, q.shape[3], v.shape[3]):
+        raise ValueError(
+            f"initial_state must have shape {(n, h_v, q.shape[3], v.shape[3])}, got {tuple(initial_state.shape)}"
+        )
+
+
+def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
+                             use_qk_l2norm: bool = False):
+    """The forward plus the aux a backward can reuse.
+
+    Returns ``(o, final_state, tt, chunk_offsets)``: ``tt`` is T~ = (I + strictly_lower(diag(beta) K K^T))^-1
+    per chunk, ``[n_slots, H_v, 64, 64]`` fp16, where chunk j of sequence n is slot
+    ``chunk_offsets[n] + j`` (int32 ``[N+1]``); rows past a sequence's end are unit rows.
+    """
+    _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, h_qk, dk = q.shape
+    h_v, dv = v.shape[2], v.shape[3]
+    dtype = _DTYPES[q.dtype]
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    n_tok = B * T
+    q3 = q.reshape(n_tok, h_qk, dk).contiguous()
+    k3 = k.reshape(n_tok, h_qk, dk).contiguous()
+    v3 = v.reshape(n_tok, h_v, dv).contiguous()
+    g2 = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
+    b2 = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
+    cu, offsets = _tables(cu_seqlens, B, T, q.device)
+    n_seq = cu.numel() - 1
+    n_slots = n_tok // gdr_fwd.CHUNK + n_seq
+    tt = torch.empty(n_slots, h_v, gdr_fwd.CHUNK, gdr_fwd.CHUNK, device=q.device, dtype=torch.float16)
+    gb = torch.empty(n_slots, h_v, 2, gdr_fwd.CHUNK, device=q.device, dtype=torch.float32)
+    gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g2, b2, cu, offsets, tt, gb)
+
+    has_h0 = initial_state is not None
+    h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty(
+        1, h_v, dk, dv, device=q.device, dtype=torch.float32)
+    block_dv = dv if n_seq * h_v >= _FULL_DV_MIN_CTAS else dv // 2
+    o = torch.empty_like(v3)
+    ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
+    kernel = gdr_fwd.chunk_fwd(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=block_dv)
+    kernel(q3, k3, v3, tt, gb, cu, offsets, h0, float(scale), o, ht)
+    return o.view(B, T, h_v, dv), ht, tt, offsets
+
+
+def chunk_gdr_fwd_hopper(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
+                         use_qk_l2norm: bool = False):
+    """GDN chunked forward on SM90.
+
+    q, k: ``[B, T, H_qk, K]``; v: ``[B, T, H_v, V]`` (bf16 or fp16, same dtype); g: ``[B, T, H_v]`` log-space
+    gate (<= 0, fp32 or q's dtype); beta: ``[B, T, H_v]`` (already activated); initial_state: fp32
+    ``[N, H_v, K, V]`` or None; cu_seqlens: ``[N+1]`` int (B == 1) or None.
+    Returns ``o`` ``[B, T, H_v, V]`` in v's dtype and the fp32 final state ``[N, H_v, K, V]``.
+    """
+    o, ht, _, _ = chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
+    return o, ht
