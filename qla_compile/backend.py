@@ -1,14 +1,18 @@
 """The torch.compile backend: ``torch.compile(model, backend=qla_compile.backend)``.
 
-Before every compiled call it registers dynamo substitutions for the known eager GDN functions
-(``passes/frontdoor.py``; global to the process, idempotent), so they trace as one ``qla`` op.  On each graph
-dynamo hands over, it runs the FX pass (``passes/fuse.py``) that proves and fuses GDN written in any other
-way, then compiles with Inductor.  The replacement happens on the torch-level graph, before AOTAutograd,
-so training uses the ``qla`` backward op.
+Two mechanisms, both before AOTAutograd so that training differentiates through the ``qla`` backward op:
+
+* **Front door** (``passes/frontdoor.py``): dynamo substitutions for the known eager GDN functions, so they
+  trace as one ``qla`` op with a dynamic length.  Registration is global to the process and idempotent.
+  It must happen before dynamo traces: importing this module registers what is imported by then, and
+  ``qla_compile.register_substitutions()`` registers the rest (call it once before compiling).  A backend
+  call registers modules imported since; a graph traced before that is still fused by the FX pass, and
+  the next trace (e.g. at the next new length) goes through the front door.
+* **FX pass** (``passes/fuse.py``): on each graph dynamo hands over, proves and fuses GDN written any other
+  way.  Then Inductor compiles the result.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Any
@@ -26,64 +30,69 @@ log = logging.getLogger(__name__)
 class QlaBackend:
     """A torch.compile backend; build variants with ``make_backend``.
 
+    ``torch.compile(model, backend=b, mode=..., options=...)`` also works: torch.compile hands its Inductor
+    mode and options to the backend, and they override the backend's own.
+
     Attributes:
         reports: one ``GraphReport`` per graph compiled by this backend object (regions found, replaced or
             rejected and why, time spent in the pass and in the whole compile).
     """
 
     def __init__(self, inductor: bool = True, mode: str | None = None, options: dict[str, Any] | None = None,
-                 fx_pass: bool = True):
+                 fx_pass: bool = True, front_door: bool = True):
         self.inductor = inductor
         self.mode = mode
         self.options = dict(options or {})
         self.fx_pass = fx_pass
+        self.front_door = front_door
         self.reports: list[GraphReport] = []
-        # dynamo enters this before every call of the compiled function, i.e. before it traces anything
-        self.backend_ctx_ctor = _front_door_context
 
-    def __call__(self, gm: fx.GraphModule, example_inputs):
+    def __call__(self, gm: fx.GraphModule, example_inputs, mode: str | None = None,
+                 options: dict[str, Any] | None = None):
         start = time.perf_counter()
+        if self.front_door:  # for the next traces: this graph is already traced
+            frontdoor.refresh()
         report = GraphReport(index=len(self.reports), nodes_before=len(gm.graph.nodes))
         self.reports.append(report)
         if self.fx_pass:
             fuse_gdn_regions(gm, report)
         else:
             report.nodes_after = report.nodes_before
-        compiled = self._compile(gm, example_inputs)
+        compiled = self._compile(gm, example_inputs, mode or self.mode, {**self.options, **(options or {})})
         report.compile_seconds = time.perf_counter() - start
         log.info("qla_compile: %s", report.summary())
         return compiled
 
-    def _compile(self, gm: fx.GraphModule, example_inputs):
-        if not self.inductor:
-            return gm.forward
+    def _compile(self, gm: fx.GraphModule, example_inputs, mode, options):
+        if not self.inductor:  # AOTAutograd with eager kernels: the same graph rewrite, no Inductor codegen
+            return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {**list_mode_options(self.mode), **self.options}
+        patches = {**list_mode_options(mode or "default"), **options}
         return compile_fx(gm, example_inputs, config_patches=patches or None)
 
     def __repr__(self) -> str:
-        return f"QlaBackend(inductor={self.inductor}, mode={self.mode!r}, options={self.options})"
-
-
-@contextlib.contextmanager
-def _front_door_context():
-    frontdoor.refresh()
-    yield
+        return (f"QlaBackend(inductor={self.inductor}, mode={self.mode!r}, options={self.options}, "
+                f"fx_pass={self.fx_pass}, front_door={self.front_door})")
 
 
 def make_backend(inductor: bool = True, mode: str | None = None, options: dict[str, Any] | None = None,
-                 fx_pass: bool = True) -> QlaBackend:
+                 fx_pass: bool = True, front_door: bool = True) -> QlaBackend:
     """A backend with options.
 
     Args:
-        inductor: compile the rewritten graph with Inductor (False runs it eagerly: for debugging).
+        inductor: compile the rewritten graph with Inductor (False: AOTAutograd with eager kernels, for
+            debugging and quick compiles).
         mode, options: Inductor's ``torch.compile(mode=..., options=...)``, which a custom backend does not
             receive from ``torch.compile`` itself.
-        fx_pass: run the FX pass (the front-door substitutions are always active).
+        fx_pass: run the FX pass that proves and fuses GDN regions.
+        front_door: register dynamo substitutions for newly imported GDN modules at each compile.
+            Substitutions registered earlier in the process stay active regardless.
     """
-    return QlaBackend(inductor=inductor, mode=mode, options=options, fx_pass=fx_pass)
+    return QlaBackend(inductor=inductor, mode=mode, options=options, fx_pass=fx_pass, front_door=front_door)
 
 
 backend = make_backend()
+
+frontdoor.refresh()

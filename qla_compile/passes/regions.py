@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from ..patterns.graph_anchors import CUMSUM, EXP, LAYOUT, MUTATING, PAIRWISE_MASKS, PAIRWISE_VIEWS, REGION_OPS, SUB
+from ..patterns.graph_anchors import (
+    CUMSUM, EXP, LAYOUT, MUTATING, PAIRWISE_MASKS, PAIRWISE_VIEWS, REGION_OPS, RESHAPES, SUB,
+)
 from .dataflow import Dataflow, is_tensor, op_name, value
 
 _MAX_OUTPUT_EXTENSION = 8
@@ -103,8 +105,27 @@ def grow(flow: Dataflow, anchor: fx.Node, outputs: list[fx.Node]) -> Region:
             else:
                 inputs.add(a)
     inputs -= region
+    _pull_in_head_splits(flow, region, inputs)
     order = flow.index.__getitem__
     return Region(anchor, list(outputs), sorted(region, key=order), sorted(inputs, key=order))
+
+
+def _pull_in_head_splits(flow: Dataflow, region: set, inputs: set) -> None:
+    """Leave rank-changing reshapes of an input (``[B,T,H*K] -> [B,T,H,K]``) outside the region.
+
+    The binding knows token- and head-major layouts; a flat input is bound through the reshape's output.
+    """
+    changed = True
+    while changed:
+        changed = False
+        for x in list(inputs):
+            users = [u for u in flow.users[x] if u in region]
+            if (len(users) == 1 and op_name(users[0]) in RESHAPES and is_tensor(x) and is_tensor(users[0])
+                    and value(users[0]).dim() != value(x).dim()):
+                inputs.discard(x)
+                region.discard(users[0])
+                inputs.add(users[0])
+                changed = True
 
 
 def _may_own(node: fx.Node) -> bool:

@@ -19,6 +19,9 @@ LAYOUT = frozenset({
     "flatten", "unflatten", "expand", "expand_as", "getitem", "clone", "movedim", "swapaxes", "rearrange",
 })
 
+#: Reshapes that split or merge heads; a region input is taken after them.
+RESHAPES = frozenset({"reshape", "view", "unflatten", "flatten", "rearrange"})
+
 #: Ops an eager GDN region may consist of (besides layout ops); growth stops at anything else, which then
 #: becomes an input of the region.  No projections, convolutions or gate activations: those belong to the layer.
 REGION_OPS = LAYOUT | CUMSUM | SUB | EXP | PAIRWISE_MASKS | frozenset({
