@@ -6,6 +6,7 @@ Runs on dynamo's torch-level graph, before AOTAutograd, so training differentiat
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 import re
@@ -70,8 +71,8 @@ def _fuse_one(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node) -> RegionRepo
     if not candidates:
         result.reason = "its flow does not end in one 4-D output (and optionally a final state)"
         return result
-    for outputs in candidates:
-        region = grow(flow, anchor, outputs)
+    for outputs, split_heads_outside in itertools.product(candidates, (False, True)):
+        region = grow(flow, anchor, outputs, split_heads_outside)
         result.nodes = len(region.nodes)
         writer = mutates_outside(region)
         if writer is not None:
@@ -80,7 +81,8 @@ def _fuse_one(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node) -> RegionRepo
         try:
             binding = prove(gm, region)
         except NotProven as exc:
-            result.reason = str(exc)
+            if not result.reason.startswith(NotProven.DIFFER):  # keep the most telling reason: a failed proof
+                result.reason = str(exc)
             continue
         problem = _replace(gm, flow, region, binding)
         if problem:

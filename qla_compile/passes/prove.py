@@ -48,6 +48,8 @@ class Binding:
 class NotProven(Exception):
     """The region is not a gated delta rule under any binding (the message says why)."""
 
+    DIFFER = "outputs differ from the delta rule"
+
 
 def extract(gm: fx.GraphModule, region: Region) -> fx.GraphModule:
     """The region as a standalone GraphModule: inputs -> outputs."""
@@ -223,4 +225,4 @@ def prove(gm: fx.GraphModule, region: Region) -> Binding:
                            opts["output_head_major"], opts["output_dtype"])
     if best_err == math.inf:
         raise NotProven("no binding of the inputs fits q, k, v, g, beta shapes, or the region failed to run")
-    raise NotProven(f"outputs differ from the delta rule under every binding (best relative error {best_err:.2e})")
+    raise NotProven(f"{NotProven.DIFFER} under every binding (best relative error {best_err:.2e})")

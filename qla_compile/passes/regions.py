@@ -87,8 +87,12 @@ def _state_exits(flow: Dataflow, anchor: fx.Node) -> list[fx.Node]:
     return sorted(exits, key=flow.index.__getitem__, reverse=True)
 
 
-def grow(flow: Dataflow, anchor: fx.Node, outputs: list[fx.Node]) -> Region:
-    """The region ending in ``outputs``: every node it may own, and the nodes it reads from outside."""
+def grow(flow: Dataflow, anchor: fx.Node, outputs: list[fx.Node], split_heads_outside: bool = False) -> Region:
+    """The region ending in ``outputs``: every node it may own, and the nodes it reads from outside.
+
+    With ``split_heads_outside``, 3-D inputs reshaped to 4-D (a head split, or a chunking of the gates: which
+    one only the proof can tell) are taken after the reshape.
+    """
     covered = flow.covered_by(outputs)
     region, inputs = set(), set()
     stack = list(outputs)
@@ -105,13 +109,14 @@ def grow(flow: Dataflow, anchor: fx.Node, outputs: list[fx.Node]) -> Region:
             else:
                 inputs.add(a)
     inputs -= region
-    _pull_in_head_splits(flow, region, inputs)
+    if split_heads_outside:
+        _pull_in_head_splits(flow, region, inputs)
     order = flow.index.__getitem__
     return Region(anchor, list(outputs), sorted(region, key=order), sorted(inputs, key=order))
 
 
 def _pull_in_head_splits(flow: Dataflow, region: set, inputs: set) -> None:
-    """Leave rank-changing reshapes of an input (``[B,T,H*K] -> [B,T,H,K]``) outside the region.
+    """Leave the head split of an input (``[B,T,H*K] -> [B,T,H,K]``) outside the region.
 
     The binding knows token- and head-major layouts; a flat input is bound through the reshape's output.
     """
@@ -121,7 +126,7 @@ def _pull_in_head_splits(flow: Dataflow, region: set, inputs: set) -> None:
         for x in list(inputs):
             users = [u for u in flow.users[x] if u in region]
             if (len(users) == 1 and op_name(users[0]) in RESHAPES and is_tensor(x) and is_tensor(users[0])
-                    and value(users[0]).dim() != value(x).dim()):
+                    and value(x).dim() == 3 and value(users[0]).dim() == 4):
                 inputs.discard(x)
                 region.discard(users[0])
                 inputs.add(users[0])

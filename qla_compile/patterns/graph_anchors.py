@@ -30,7 +30,7 @@ REGION_OPS = LAYOUT | CUMSUM | SUB | EXP | PAIRWISE_MASKS | frozenset({
     "linalg_inv", "inverse", "eye", "ones", "zeros", "zeros_like", "ones_like", "new_zeros", "new_ones", "arange",
     "full", "setitem", "pad", "cat", "stack", "repeat_interleave", "repeat", "diag_embed", "diagonal",
     "masked_fill_", "copy_", "zero_", "size", "sym_size", "mod", "floordiv", "sub", "eq", "lt", "le", "gt", "ge",
-    "logical_not", "bool", "l2norm",
+    "logical_not", "invert", "bitwise_not", "and_", "bool", "squeeze", "select",
 })
 
 #: In-place ops: they mutate their first argument.

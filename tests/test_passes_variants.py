@@ -1,0 +1,110 @@
+"""The FX pass on eager GDN written in ways no library writes it, and on look-alikes it must leave alone.
+
+Each variant is checked against the float64 per-token oracle (``recurrent_gdr_reference``), so a variant
+that is itself wrong would fail here rather than be "proven" against a wrong op.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qla_compile.backend as qb
+from gdn_inputs import make_inputs, rel_err
+from qla_compile import recurrent_gdr_reference
+
+C = 16  # chunk size of the hand-written variants
+
+
+def _chunks(x):  # [B, H, T, D] -> [B, H, N, C, D]
+    return x.reshape(x.shape[0], x.shape[1], -1, C, x.shape[-1])
+
+
+def _unit_lower_inverse_by_doubling(a):
+    """(I - a)^-1 for strictly lower a, as the product (I + a)(I + a^2)(I + a^4)...: no solve, no row loop."""
+    eye = torch.eye(C, dtype=a.dtype)
+    inv, power = eye + a, a
+    for _ in range(C.bit_length() - 1):
+        power = power @ power
+        inv = inv @ (eye + power)
+    return inv
+
+
+def gdn_head_major_einsum(q, k, v, g, beta):
+    """Inputs head-major [B, H, T, D] / [B, H, T]; einsum everywhere; inverse by repeated squaring."""
+    q = q * q.shape[-1] ** -0.5
+    q, k, v = _chunks(q), _chunks(k), _chunks(v)
+    g, beta = g.reshape(*g.shape[:2], -1, C), beta.reshape(*beta.shape[:2], -1, C)
+    G = g.cumsum(-1)
+    causal = torch.ones(C, C, dtype=torch.bool).tril()
+    decay = torch.where(causal, (G[..., :, None] - G[..., None, :]).masked_fill(~causal, 0).exp(), 0.0)
+    kk = torch.einsum("bhncd,bhnsd->bhncs", k * beta[..., None], k) * decay
+    inv = _unit_lower_inverse_by_doubling(-kk.tril(-1))
+    u = torch.einsum("bhncs,bhnsd->bhncd", inv, v * beta[..., None])
+    w = torch.einsum("bhncs,bhnsd->bhncd", inv, k * (beta * G.exp())[..., None])
+    attn = torch.einsum("bhncd,bhnsd->bhncs", q, k) * decay
+    S = q.new_zeros(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1])
+    outs = []
+    for n in range(q.shape[2]):
+        v_new = u[:, :, n] - w[:, :, n] @ S
+        outs.append((q[:, :, n] * G[:, :, n, :, None].exp()) @ S + attn[:, :, n] @ v_new)
+        k_tail = k[:, :, n] * (G[:, :, n, -1:] - G[:, :, n]).exp()[..., None]
+        S = S * G[:, :, n, -1, None, None].exp() + torch.einsum("bhck,bhcv->bhkv", k_tail, v_new)
+    return torch.stack(outs, dim=2).flatten(2, 3)
+
+
+def gla_chunked(q, k, v, g, beta):
+    """Gated linear attention: the same chunk-decay anchor, no delta rule (beta only scales v)."""
+    q, k, v = _chunks(q * q.shape[-1] ** -0.5), _chunks(k), _chunks(v * beta[..., None])
+    G = g.reshape(*g.shape[:2], -1, C).cumsum(-1)
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~torch.ones(C, C, dtype=torch.bool).tril(), -1e9).exp()
+    S = q.new_zeros(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1])
+    outs = []
+    for n in range(q.shape[2]):
+        outs.append((q[:, :, n] * G[:, :, n, :, None].exp()) @ S + (q[:, :, n] @ k[:, :, n].transpose(-1, -2) * decay[:, :, n]) @ v[:, :, n])
+        S = S * G[:, :, n, -1, None, None].exp() + (k[:, :, n] * (G[:, :, n, -1:] - G[:, :, n]).exp()[..., None]).transpose(-1, -2) @ v[:, :, n]
+    return torch.stack(outs, dim=2).flatten(2, 3)
+
+
+def linear_attention(q, k, v, g, beta):
+    return torch.tril(q @ k.transpose(-1, -2)) @ v
+
+
+def softmax_attention(q, k, v, g, beta):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True) + torch.softmax(g.cumsum(-1), -1)[..., None]
+
+
+def _head_major_inputs(seed):
+    kw = make_inputs(B=2, T=48, H=2, HV=2, K=16, V=16, seed=seed)
+    return tuple(kw[n].transpose(1, 2).contiguous() for n in ("q", "k", "v", "g", "beta")), kw
+
+
+def _compile(fn, args):
+    torch._dynamo.reset()
+    backend = qb.make_backend(inductor=False, front_door=False)
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    (report,) = backend.reports
+    return out, report
+
+
+def test_head_major_einsum_doubling_inverse_is_fused():
+    args, kw = _head_major_inputs(seed=3)
+    oracle = recurrent_gdr_reference(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"])[0].transpose(1, 2)
+    assert rel_err(gdn_head_major_einsum(*args), oracle) < 1e-5  # the variant really is GDN
+    out, report = _compile(gdn_head_major_einsum, args)
+    assert [r.status for r in report.regions] == ["replaced"], report.summary()
+    assert "layouts HHHHH" in report.regions[0].reason
+    assert rel_err(out, oracle) < 1e-5
+
+
+@pytest.mark.parametrize("fn", [gla_chunked, linear_attention, softmax_attention])
+def test_look_alikes_are_left_alone(fn):
+    args, _ = _head_major_inputs(seed=4)
+    out, report = _compile(fn, args)
+    assert report.nodes_after == report.nodes_before and report.fused_calls == 0, report.summary()
+    assert all(r.status == "rejected" for r in report.regions)
+    assert rel_err(out, fn(*args)) < 1e-6
+
+
+def test_gla_is_a_candidate_rejected_by_the_proof():
+    args, _ = _head_major_inputs(seed=5)
+    _, report = _compile(gla_chunked, args)
+    assert len(report.regions) == 1 and "differ" in report.regions[0].reason, report.summary()
