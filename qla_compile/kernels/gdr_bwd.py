@@ -129,6 +129,7 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
     h_v = T.dynamic("h_v")
     C = CHUNK
     acc = "float32"
+    assert dk == 2 * C, "the <dS', S> row sums fold onto the chunk rows in pairs"
 
     @T.prim_func
     def kernel(
@@ -164,7 +165,7 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
             tt_s = T.alloc_shared((C, C), dtype)  # T~ in the GEMM dtype (fp16 values read from tt)
             a_s = T.alloc_shared((C, C), dtype)  # A_g, then T~^T dT~, then dQK
             p_s = T.alloc_shared((C, C), dtype)  # P_g, then dT~, then beta o dL
-            y_s = T.alloc_shared((C, C), acc)  # Y (columns xor-swizzled by row % 32)
+            y_s = T.alloc_shared((C, C), acc)  # Y, then its row-wise inclusive cumsum
             g_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
             gam_s = T.alloc_shared((C,), acc)
@@ -181,7 +182,6 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
             b1_f = T.alloc_fragment((C, dv), acc)
             b2_f = T.alloc_fragment((C, dv), acc)
             dk_f = T.alloc_fragment((C, dk), acc)
-            qk_f = T.alloc_fragment((C, C), acc)
             s1_f = T.alloc_fragment((C, C), acc)
             s2_f = T.alloc_fragment((C, C), acc)
             dr_f = T.alloc_fragment((C,), acc)
@@ -189,15 +189,13 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
             deq_f = T.alloc_fragment((C,), acc)
             db1_f = T.alloc_fragment((C,), acc)
             db2_f = T.alloc_fragment((C,), acc)
-            run = T.alloc_var(acc)
-            tot = T.alloc_var(acc)
+            dg_f = T.alloc_fragment((C,), acc)
 
             hk = hv // (h_v // h_qk)
             bos = cu_seqlens[seq]
             seqlen = cu_seqlens[seq + 1] - bos
             coff = chunk_offsets[seq]
             n_c = T.ceildiv(seqlen, C)
-            tx = T.get_thread_binding()
             if has_dht:
                 T.copy(dht[seq, hv, :, :], ds_f)
             else:
@@ -235,10 +233,10 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
                 T.reduce_sum(sq_f, sd_f, dim=1)
                 T.copy(sd_f, sd_s)
                 # P_g = scale Gamma o Q K^T and A_g = Gamma o T~ o beta_col
-                T.gemm(q_s, k_s, qk_f, transpose_B=True, clear_accum=True)
+                T.gemm(q_s, k_s, s1_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
-                    p_s[i, j] = T.cast(scale * gm * qk_f[i, j], dtype)
+                    p_s[i, j] = T.cast(scale * gm * s1_f[i, j], dtype)
                     a_s[i, j] = T.cast(gm * T.cast(tt[coff + ci, hv, i, j], acc) * b_s[j], dtype)
                     tt_s[i, j] = T.cast(tt[coff + ci, hv, i, j], dtype)
                 # W' = V - e o U0 (v_s keeps e o U0);  V' = A_g W'
@@ -275,7 +273,7 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
                 for i, j in T.Parallel(C, C):
                     gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
                     s2_f[i, j] = s1_f[i, j] * gm * T.cast(tt[coff + ci, hv, i, j], acc)
-                    y_s[i, T.bitwise_xor(j, i % 32)] = s2_f[i, j] * b_s[j]
+                    y_s[i, j] = s2_f[i, j] * b_s[j]
                     p_s[i, j] = T.cast(s1_f[i, j] * gm * b_s[j], dtype)
                 T.reduce_sum(s2_f, db1_f, dim=0)
                 T.copy(db1_f, db_s)
@@ -292,12 +290,13 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
                 T.copy(db2_f, db2_s)
                 T.gemm(p_s, k_s, dk_f)
                 T.gemm(p_s, k_s, dk_f, transpose_A=True)
-                # dP = dO V'^T;  dQK = scale Gamma o dP (a_s);  Y += dP o P_g
+                # dP = dO V'^T;  dQK = scale Gamma o dP (a_s);  Y += dP o P_g (Q K^T recomputed)
                 T.gemm(do_s, vn_s, s1_f, transpose_B=True, clear_accum=True)
+                T.gemm(q_s, k_s, s2_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
                     a_s[i, j] = T.cast(scale * gm * s1_f[i, j], dtype)
-                    y_s[i, T.bitwise_xor(j, i % 32)] += scale * gm * s1_f[i, j] * qk_f[i, j]
+                    y_s[i, j] += scale * gm * s1_f[i, j] * s2_f[i, j]
                 # dq = scale e o (dO S^T) + dQK K;  de += rowsum(q o scale e o dO S^T)
                 T.gemm(do_s, s_s, b1_f, transpose_B=True, clear_accum=True)
                 for i, d in T.Parallel(C, dk):
@@ -321,28 +320,18 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
                     ds_f[a, b] = ds_f[a, b] * e_s[C - 1]
                 T.gemm(q_s, w_s, ds_f, transpose_A=True)
                 T.gemm(k_s, v_s, ds_f, transpose_A=True)
-                # dg_t = sum_{s>=t} (de_s + sum_{j<t} Y_sj) + sum_{s<t} dr_s + a <dS', S>
-                if tx < C:
-                    run = T.float32(0)
-                    for j in T.serial(C):
-                        tot = y_s[tx, T.bitwise_xor(j, tx % 32)]
-                        y_s[tx, T.bitwise_xor(j, tx % 32)] = run
-                        run = run + tot
-                T.sync_threads()
-                if tx < C:
-                    tot = T.float32(0)
-                    for a in T.serial(dk):
-                        tot = tot + sd_s[a]
-                    tot = tot * e_s[C - 1]
-                    for s in T.serial(C):
-                        if s >= tx:
-                            tot = tot + de_s[s] + y_s[s, T.bitwise_xor(tx, s % 32)]
-                        else:
-                            tot = tot + dr_s[s]
-                    if tx < length:
-                        dg_out[hv, start + tx] = tot
-                        db_out[hv, start + tx] = db_s[tx] + db2_s[tx]
-                T.sync_threads()
+                # dg_t = sum_s M_st with M_st = [s >= t] (de_s + sum_{j<t} Y_sj) + [s < t] dr_s + a (sd_s + sd_{s+C})
+                T.cumsum(y_s, dim=1)
+                for i, j in T.Parallel(C, C):
+                    left = T.if_then_else(j > 0, y_s[i, T.max(j - 1, 0)], T.float32(0))
+                    s1_f[i, j] = e_s[C - 1] * (sd_s[i] + sd_s[i + C]) + T.if_then_else(
+                        i >= j, de_s[i] + left, dr_s[i]
+                    )
+                T.reduce_sum(s1_f, dg_f, dim=0)
+                for i in T.Parallel(C):
+                    if i < length:
+                        dg_out[hv, start + i] = dg_f[i]
+                        db_out[hv, start + i] = db_s[i] + db2_s[i]
 
             if has_h0:
                 T.copy(ds_f, dh0[seq, hv, :, :])
@@ -370,14 +359,16 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
     do3 = do.reshape(n_tok, h_v, dv).to(v.dtype).contiguous()
-    g2 = g.reshape(n_tok, h_v).t().to(torch.float32).contiguous()
-    b2 = beta.reshape(n_tok, h_v).t().to(torch.float32).contiguous()
+    g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
+    b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
     cu, offsets = _tables(cu_seqlens, B, T_, dev)
     n_seq = cu.numel() - 1
     n_slots = n_tok // CHUNK + n_seq
 
     tt = torch.empty(n_slots, h_v, CHUNK, CHUNK, device=dev, dtype=torch.float16)
-    gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, b2, cu, offsets, tt)
+    gb = torch.empty(n_slots, h_v, 2, CHUNK, device=dev, dtype=torch.float32)
+    gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g_tok, b_tok, cu, offsets, tt, gb)
+    g2, b2 = g_tok.t().contiguous(), b_tok.t().contiguous()  # head-major for the backward kernels
 
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty(1, h_v, dk, dv, device=dev)
@@ -388,8 +379,9 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     has_dht = dht is not None
     dht_ = dht.to(torch.float32).contiguous() if has_dht else torch.empty(1, h_v, dk, dv, device=dev)
     f32 = dict(device=dev, dtype=torch.float32)
-    dq = torch.zeros(n_tok, h_v, dk, **f32)
-    dkh = torch.zeros(n_tok, h_v, dk, **f32)
+    # dq, dk per v-head: rows past cu_seqlens[-1] stay unwritten and are zeroed after the group sum.
+    dq = torch.empty(n_tok, h_v, dk, **f32)
+    dkh = torch.empty(n_tok, h_v, dk, **f32)
     dvo = torch.zeros_like(v3)
     dg = torch.zeros(h_v, n_tok, **f32)
     db = torch.zeros(h_v, n_tok, **f32)
@@ -398,8 +390,13 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     kernel(q3, k3, v3, do3, g2, b2, tt, h, cu, offsets, dht_, float(scale), dq, dkh, dvo, dg, db, dh0)
 
     groups = h_v // h_qk
-    dq = dq.view(n_tok, h_qk, groups, dk).sum(2).to(q.dtype).view(B, T_, h_qk, dk)
-    dkh = dkh.view(n_tok, h_qk, groups, dk).sum(2).to(k.dtype).view(B, T_, h_qk, dk)
+    dq = dq.view(n_tok, h_qk, groups, dk).sum(2)
+    dkh = dkh.view(n_tok, h_qk, groups, dk).sum(2)
+    if cu_seqlens is not None:
+        valid = (torch.arange(n_tok, device=dev) < cu[-1])[:, None, None]
+        dq, dkh = torch.where(valid, dq, 0.0), torch.where(valid, dkh, 0.0)
+    dq = dq.to(q.dtype).view(B, T_, h_qk, dk)
+    dkh = dkh.to(k.dtype).view(B, T_, h_qk, dk)
     dg = dg.t().to(g.dtype).reshape(B, T_, h_v)
     db = db.t().to(beta.dtype).reshape(B, T_, h_v)
     return dq, dkh, dvo.view(B, T_, h_v, dv), dg, db, (dh0 if has_h0 else None)

@@ -113,3 +113,11 @@ def test_cuda_graph_forward_backward():
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+
+
+def test_tokens_past_last_sequence_get_zero_gradients():
+    gdr_bwd = _hopper()
+    kw, do, _ = _case(1, 200, 1, 2, torch.bfloat16, [0, 70, 150], False, False, seed=3)
+    got = _run(gdr_bwd, kw, do, None, 128**-0.5)
+    for name, x in zip(NAMES[:5], got[:5]):
+        assert torch.isfinite(x[:, :150]).all() and not x[:, 150:].any(), name
