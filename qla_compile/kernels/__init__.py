@@ -4,10 +4,11 @@ Entry points, called by ``qla_compile.ops`` on SM90 CUDA tensors:
 
 * :func:`hopper_supported` -- whether these kernels handle the given tensors.
 * :func:`chunk_gdr_fwd_hopper` -- ``(o, final_state)``.
-* :func:`chunk_gdr_fwd_hopper_aux` -- ``(o, final_state, tt, chunk_offsets)``, also returning the
-  gate-free inverse T~ for a backward pass.
+* :func:`chunk_gdr_fwd_hopper_aux` -- ``(o, final_state, tt, gb, chunk_offsets)``, also returning the
+  gate-free inverse T~ and the per-chunk gate cumsum for a backward pass.
 
-One compile per (K, V, dtype, has-initial-state) serves every head count, length and batch layout:
+One compile per (K, V, dtype, initial state or not, V split or not) serves every head count, length
+and batch layout:
 a dense ``[B, T]`` batch runs as one packed sequence with ``cu_seqlens = [0, T, 2T, ...]``.
 
 CUDA graphs: dense inputs are capturable (no host sync; the chunk tables are built on the device).
@@ -86,9 +87,13 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
                              use_qk_l2norm: bool = False):
     """The forward plus the aux a backward can reuse.
 
-    Returns ``(o, final_state, tt, chunk_offsets)``: ``tt`` is T~ = (I + strictly_lower(diag(beta) K K^T))^-1
-    per chunk, ``[n_slots, H_v, 64, 64]`` fp16, where chunk j of sequence n is slot
-    ``chunk_offsets[n] + j`` (int32 ``[N+1]``); rows past a sequence's end are unit rows.
+    Returns ``(o, final_state, tt, gb, chunk_offsets)``. Chunk j of sequence n is slot
+    ``chunk_offsets[n] + j`` (int32 ``[N+1]``) of ``n_slots = B*T // 64 + N`` slots (the unused tail slots
+    hold garbage). ``tt``: T~ = (I + strictly_lower(diag(beta) K K^T))^-1, fp16 ``[n_slots, H_v, 64, 64]``;
+    ``gb``: fp32 ``[n_slots, H_v, 2, 64]``, row 0 the in-chunk inclusive cumsum of g, row 1 beta; rows past
+    a sequence's end have g = beta = 0 (so gamma repeats the last value and T~ has unit rows there).
+    With ``use_qk_l2norm`` the kernels see the normalised q, k (done here with torch ops).
+    Tokens after ``cu_seqlens[-1]`` are not written.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, h_qk, dk = q.shape
@@ -97,13 +102,19 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     n_tok = B * T
+    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if n_tok == 0:
+        ht = torch.zeros(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
+        if initial_state is not None:
+            ht.copy_(initial_state)
+        empty = torch.empty(0, device=q.device)
+        return v.new_empty(v.shape), ht, empty, empty, torch.zeros(n_seq + 1, device=q.device, dtype=torch.int32)
     q3 = q.reshape(n_tok, h_qk, dk).contiguous()
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
     g2 = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
     b2 = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
     cu, offsets = _tables(cu_seqlens, B, T, q.device)
-    n_seq = cu.numel() - 1
     n_slots = n_tok // gdr_fwd.CHUNK + n_seq
     tt = torch.empty(n_slots, h_v, gdr_fwd.CHUNK, gdr_fwd.CHUNK, device=q.device, dtype=torch.float16)
     gb = torch.empty(n_slots, h_v, 2, gdr_fwd.CHUNK, device=q.device, dtype=torch.float32)
@@ -117,7 +128,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
     kernel = gdr_fwd.chunk_fwd(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=block_dv)
     kernel(q3, k3, v3, tt, gb, cu, offsets, h0, float(scale), o, ht)
-    return o.view(B, T, h_v, dv), ht, tt, offsets
+    return o.view(B, T, h_v, dv), ht, tt, gb, offsets
 
 
 def chunk_gdr_fwd_hopper(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
@@ -129,5 +140,5 @@ def chunk_gdr_fwd_hopper(q, k, v, g, beta, scale: float, initial_state=None, cu_
     ``[N, H_v, K, V]`` or None; cu_seqlens: ``[N+1]`` int (B == 1) or None.
     Returns ``o`` ``[B, T, H_v, V]`` in v's dtype and the fp32 final state ``[N, H_v, K, V]``.
     """
-    o, ht, _, _ = chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
+    o, ht, *_ = chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
     return o, ht

@@ -31,7 +31,7 @@ _SUB = 16  # diagonal block size of the inverse
 def kkt_inverse(*, dk: int, dtype: str):
     """Per chunk and v-head: T~ = (I + strictly_lower(diag(beta) K K^T))^-1 (fp16) and the gate
     cumsum gamma with the masked beta (fp32 ``gb[chunk, hv] = [gamma; beta]``; rows past the
-    sequence end get g = 0 and beta = 0)."""
+    sequence end get g = 0 and beta = 0, so their rows of T~ are unit rows)."""
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
@@ -39,6 +39,7 @@ def kkt_inverse(*, dk: int, dtype: str):
     h_v = T.dynamic("h_v")
     C, S = CHUNK, _SUB
     acc = "float32"
+    half = "float16"
 
     @T.prim_func
     def kernel(
@@ -47,22 +48,22 @@ def kkt_inverse(*, dk: int, dtype: str):
         beta: T.Tensor((n_tok, h_v), acc),
         cu_seqlens: T.Tensor((n_seq1,), "int32"),
         chunk_offsets: T.Tensor((n_seq1,), "int32"),
-        tt: T.Tensor((n_chunk, h_v, C, C), "float16"),
+        tt: T.Tensor((n_chunk, h_v, C, C), half),
         gb: T.Tensor((n_chunk, h_v, 2, C), acc),
     ):
         with T.Kernel(n_chunk, h_v, threads=128) as (chunk, hv):
             k_s = T.alloc_shared((C, dk), dtype)
             beta_s = T.alloc_shared((C,), acc)
             g_s = T.alloc_shared((C,), acc)
-            tri_f = T.alloc_fragment((C, C), acc)
-            gam_f = T.alloc_fragment((C,), acc)
             ld_s = T.alloc_shared((C // S, S, S), acc)  # L~ on the diagonal blocks
-            lo_s = T.alloc_shared((C, C), acc)  # L~ off the diagonal blocks, later I + N^2, then Z
-            dinv_s = T.alloc_shared((C, C), acc)  # block-diagonal inverse
-            n_s = T.alloc_shared((C, C), acc)
+            lo_s = T.alloc_shared((C, C), half)  # L~ off the diagonal blocks, later I + N^2
+            dinv_s = T.alloc_shared((C, C), half)  # block-diagonal inverse
+            n_s = T.alloc_shared((C, C), half)
+            z_s = T.alloc_shared((C, C), half)
             kk_f = T.alloc_fragment((C, C), acc)
-            g_f = T.alloc_fragment((C, C), acc)
+            z_f = T.alloc_fragment((C, C), acc)
             col = T.alloc_local((S,), acc)
+            run = T.alloc_var(acc)
 
             n_seq = n_seq1 - 1
             if chunk < chunk_offsets[n_seq]:
@@ -82,24 +83,25 @@ def kkt_inverse(*, dk: int, dtype: str):
                 for i in T.Parallel(C):
                     beta_s[i] = T.if_then_else(i < length, beta[start + i, hv], T.float32(0))
                     g_s[i] = T.if_then_else(i < length, g[start + i, hv], T.float32(0))
-                for i, j in T.Parallel(C, C):
-                    tri_f[i, j] = T.if_then_else(j <= i, g_s[j], T.float32(0))
-                T.reduce_sum(tri_f, gam_f, dim=1)
-                for i in T.Parallel(C):
-                    gb[chunk, hv, 0, i] = gam_f[i]
-                    gb[chunk, hv, 1, i] = beta_s[i]
                 T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+                tx = T.get_thread_binding()
+                if tx < C:  # gamma_i = sum_{j <= i} g_j
+                    run = T.float32(0)
+                    for j in T.serial(C):
+                        if j <= tx:
+                            run += g_s[j]
+                    gb[chunk, hv, 0, tx] = run
+                    gb[chunk, hv, 1, tx] = beta_s[tx]
                 for i, j in T.Parallel(C, C):
                     lower = T.if_then_else(i > j, kk_f[i, j] * beta_s[i], T.float32(0))
                     if i // S == j // S:
                         ld_s[i // S, i % S, j % S] = lower
-                        lo_s[i, j] = T.float32(0)
+                        lo_s[i, j] = T.cast(0, half)
                     else:
-                        lo_s[i, j] = lower
-                    dinv_s[i, j] = T.float32(0)
+                        lo_s[i, j] = T.cast(lower, half)
+                    dinv_s[i, j] = T.cast(0, half)
                 # Diagonal blocks: thread t solves column t % 16 of block t // 16 by forward
                 # substitution, x_r = delta_rc - sum_{j<r} L_rj x_j (zero above the diagonal).
-                tx = T.get_thread_binding()
                 if tx < C:
                     blk = tx // S
                     c = tx % S
@@ -109,19 +111,19 @@ def kkt_inverse(*, dk: int, dtype: str):
                             if j < r:
                                 col[r] -= ld_s[blk, r, j] * col[j]
                     for r in T.unroll(S):
-                        dinv_s[blk * S + r, blk * S + c] = col[r]
+                        dinv_s[blk * S + r, blk * S + c] = T.cast(col[r], half)
                 # (I + L~)^-1 = (I + N)^-1 Dinv with N = Dinv Lo block-strictly-lower, N^4 = 0:
-                # (I + N)^-1 Dinv = (I - N) Z with Z = (I + N^2) Dinv.
-                T.gemm(dinv_s, lo_s, g_f, clear_accum=True)
-                T.copy(g_f, n_s)
-                T.gemm(n_s, n_s, g_f, clear_accum=True)
+                # (I + N)^-1 Dinv = Z - N Z with Z = (I + N^2) Dinv.
+                T.gemm(dinv_s, lo_s, kk_f, clear_accum=True)
+                T.copy(kk_f, n_s)
+                T.gemm(n_s, n_s, kk_f, clear_accum=True)
                 for i, j in T.Parallel(C, C):
-                    lo_s[i, j] = g_f[i, j] + T.if_then_else(i == j, T.float32(1), T.float32(0))
-                T.gemm(lo_s, dinv_s, g_f, clear_accum=True)
-                T.copy(g_f, lo_s)
-                T.gemm(n_s, lo_s, g_f, clear_accum=True)
+                    lo_s[i, j] = T.cast(kk_f[i, j] + T.if_then_else(i == j, T.float32(1), T.float32(0)), half)
+                T.gemm(lo_s, dinv_s, z_f, clear_accum=True)
+                T.copy(z_f, z_s)
+                T.gemm(n_s, z_s, kk_f, clear_accum=True)
                 for i, j in T.Parallel(C, C):
-                    tt[chunk, hv, i, j] = T.cast(lo_s[i, j] - g_f[i, j], "float16")
+                    tt[chunk, hv, i, j] = T.cast(z_f[i, j] - kk_f[i, j], half)
 
     return kernel
 
@@ -203,29 +205,31 @@ def chunk_fwd(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128
                 for i, d in T.Parallel(C, dk):
                     kh_s[i, d] = T.cast(k_s[i, d], half)
                 T.copy(s_f, s_s)
-                # state-independent: P = Q K^T; A_g = Gamma o T~ o beta_col, P_g = scale Gamma o P
-                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+                # Issue P = Q K^T, U0 = K S and Q S together; consume the first two while Q S runs.
+                T.wgmma_gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(k_s, s_s, u_f, clear_accum=True)
+                T.wgmma_gemm(q_s, s_s, o_f, clear_accum=True)
+                T.wait_wgmma(1)
+                # A_g = Gamma o T~ o beta_col, P_g = scale Gamma o P, W' = V - e o U0
                 for i, j in T.Parallel(C, C):
                     gm = T.if_then_else(j <= i, T.exp2((gb_s[0, i] - gb_s[0, j]) * log2e), T.float32(0))
                     p_s[i, j] = T.cast(p_f[i, j] * gm * scale, half)
                     a_s[i, j] = T.cast(T.cast(tt_s[i, j], acc) * gm * gb_s[1, j], half)
-                # U0 = K S;  W' = V - e o U0;  V' = A_g W'
-                T.gemm(k_s, s_s, u_f, clear_accum=True)
                 for i, d in T.Parallel(C, block_dv):
                     w_s[i, d] = T.cast(T.cast(v_s[i, d], acc) - e_s[i] * u_f[i, d], half)
-                T.gemm(a_s, w_s, u_f, clear_accum=True)
+                # V' = A_g W'
+                T.wgmma_gemm(a_s, w_s, u_f, clear_accum=True)
+                T.wait_wgmma(0)
                 for i, d in T.Parallel(C, block_dv):
                     vp_s[i, d] = T.cast(u_f[i, d], half)
                     vr_s[i, d] = T.cast(r_s[i] * u_f[i, d], half)
-                # O = scale e o (Q S) + P_g V'
-                T.gemm(q_s, s_s, o_f, clear_accum=True)
-                for i, d in T.Parallel(C, block_dv):
                     o_f[i, d] = o_f[i, d] * (scale * e_s[i])
-                T.gemm(p_s, vp_s, o_f)
-                # S = e^{gamma_C} S + K^T (r o V')
                 for a, b in T.Parallel(dk, block_dv):
                     s_f[a, b] = s_f[a, b] * e_s[C - 1]
-                T.gemm(kh_s, vr_s, s_f, transpose_A=True)
+                # O = scale e o (Q S) + P_g V';  S = e^{gamma_C} S + K^T (r o V')
+                T.wgmma_gemm(p_s, vp_s, o_f)
+                T.wgmma_gemm(kh_s, vr_s, s_f, transpose_A=True)
+                T.wait_wgmma(0)
                 for i, d in T.Parallel(C, block_dv):
                     if i < length:
                         o[start + i, hv, v0 + d] = T.cast(o_f[i, d], dtype)
@@ -233,3 +237,14 @@ def chunk_fwd(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128
             T.copy(s_f, ht[seq, hv, :, v0 : v0 + block_dv])
 
     return kernel
+
+
+def variants():
+    """``(kernel name, params)`` of every forward kernel the host entry point can launch (K = V = 128)."""
+    out = []
+    for dtype in ("bfloat16", "float16"):
+        out.append(("kkt_inverse", dict(dk=128, dtype=dtype)))
+        for has_h0 in (True, False):
+            for block_dv in (128, 64):
+                out.append(("chunk_fwd", dict(dk=128, dv=128, dtype=dtype, has_h0=has_h0, block_dv=block_dv)))
+    return out

@@ -1,0 +1,190 @@
+"""Forward benchmark on the GPU machine: qla vs FLA Triton vs FlashQLA vs FlashInfer, in one run.
+
+Every implementation gets the same packed varlen inputs (B = 1 + cu_seqlens, see ``common.make_inputs``),
+with the initial state and the final state output, and is timed as the median of CUDA-graph replays.
+Per configuration we check our o and final state against FLA, and our o on the first 1024 tokens
+against the float64 oracle. FlashQLA JIT-compiles per shape class (20-60 s each), so it runs only
+while ``--flashqla-budget`` seconds of its compile+run time remain (done-when configurations first).
+
+    python bench/bench_fwd.py --out bench/results
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("FLA_FLASH_QLA", "0")  # FLA's own Triton path, not its FlashQLA dispatch
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import make_inputs, parse_seqs, rel_l2, time_graph  # noqa: E402
+
+HEADS = [(2, 8), (4, 16), (8, 32), (16, 32), (16, 64)]
+SEQS = ["1x32768", "1x8192", "1x2048", "28672+4096", "8192x4", "1024x8"]
+ORACLE_TOKENS = 1024
+
+
+def peers():
+    """name -> fn(x) returning (o [1,T,Hv,V], final state [N,Hv,K,V]) for each importable peer."""
+    fns = {}
+    from qla_compile.kernels import chunk_gdr_fwd_hopper
+
+    fns["qla"] = lambda x: chunk_gdr_fwd_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["h0"], x["cu"])
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
+
+        fns["fla"] = lambda x: fla(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=x["h0"],
+                                   output_final_state=True, cu_seqlens=x["cu"])
+    except ImportError as err:
+        print("FLA unavailable:", err)
+    try:
+        import flash_qla
+
+        fns["flashqla"] = lambda x: flash_qla.chunk_gated_delta_rule(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], scale=x["scale"], initial_state=x["h0"],
+            output_final_state=True, cu_seqlens=x["cu"])
+    except ImportError as err:
+        print("FlashQLA unavailable:", err)
+    try:
+        from flashinfer.gdn_prefill import chunk_gated_delta_rule as fi
+
+        def flashinfer(x):
+            n, hv, dk, dv = x["h0"].shape
+            if "fi_state" not in x:  # FlashInfer wants alpha = exp(g) and a preallocated state output
+                x["fi_state"] = torch.empty(n, hv, dk, dv, device="cuda", dtype=torch.float32)
+                x["fi_alpha"] = x["g"][0].exp()
+                x["fi_beta"] = x["beta"][0].float()
+            o = fi(x["q"][0], x["k"][0], x["v"][0], g=x["fi_alpha"], beta=x["fi_beta"], scale=x["scale"],
+                   initial_state=x["h0"], output_final_state=True, cu_seqlens=x["cu"], output_state=x["fi_state"])
+            o = o[0] if isinstance(o, tuple) else o
+            return o[None], x["fi_state"]
+
+        fns["flashinfer"] = flashinfer
+    except ImportError as err:
+        print("FlashInfer unavailable:", err)
+    return fns
+
+
+def oracle_prefix(x, o):
+    """Relative L2 error of o on the first tokens of sequence 0 against the float64 oracle."""
+    from qla_compile.reference import recurrent_gdr_reference
+
+    n = min(ORACLE_TOKENS, int(x["cu"][1]))
+    ref, _ = recurrent_gdr_reference(x["q"][:, :n], x["k"][:, :n], x["v"][:, :n], x["g"][:, :n], x["beta"][:, :n],
+                                     x["scale"], x["h0"][:1])
+    return rel_l2(o[:, :n], ref)
+
+
+def versions():
+    out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    for mod in ("tilelang", "fla", "flash_qla", "flashinfer", "triton"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - a peer that does not import is reported as missing
+            out[mod] = "missing"
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--flashqla-budget", type=float, default=150.0)
+    ap.add_argument("--heads", default=",".join(f"{a}/{b}" for a, b in HEADS))
+    ap.add_argument("--seqs", default=",".join(SEQS))
+    args = ap.parse_args()
+    heads = [tuple(int(s) for s in h.split("/")) for h in args.heads.split(",")]
+    seqs = args.seqs.split(",")
+
+    t0 = time.time()
+    fns = peers()
+    x = make_inputs(2, 8, [100])
+    fns["qla"](x)
+    torch.cuda.synchronize()
+    first_call = time.time() - t0
+    print(f"qla first call in a fresh process (import + kernel load + run): {first_call:.2f} s")
+
+    configs = [(hk, hv, s) for hk, hv in heads for s in seqs]
+    # FlashQLA's JIT budget goes to the done-when configurations (H_v x sequences >= 64) first.
+    fq_order = sorted(configs, key=lambda c: c[1] * len(parse_seqs(c[2])) < 64)
+    fq_left, fq_ok = args.flashqla_budget, set()
+    rows, checks = [], []
+    for hk, hv, spec in sorted(configs, key=fq_order.index):
+        x = make_inputs(hk, hv, parse_seqs(spec))
+        outs = {}
+        for name, fn in fns.items():
+            if name == "flashqla" and fq_left <= 0:
+                continue
+            t = time.time()
+            try:
+                outs[name] = fn(x)
+                ms = time_graph(lambda: fn(x))
+            except Exception as err:  # noqa: BLE001 - a failing peer is reported, not fatal
+                print(f"{name} failed on {hk}/{hv} {spec}: {type(err).__name__}: {err}")
+                continue
+            finally:
+                if name == "flashqla":
+                    fq_left -= time.time() - t
+            rows.append({"op": "fwd", "hk": hk, "hv": hv, "seqs": spec, "impl": name, "ms": round(ms, 4)})
+        o, ht = outs["qla"]
+        check = {"hk": hk, "hv": hv, "seqs": spec, "qla_vs_fp64_o_prefix": oracle_prefix(x, o)}
+        for name in ("fla", "flashqla", "flashinfer"):
+            if name in outs:
+                check[f"{name}_o_vs_qla"] = rel_l2(outs[name][0], o)
+                check[f"{name}_ht_vs_qla"] = min(rel_l2(outs[name][1], ht), rel_l2(outs[name][1].mT, ht))
+        checks.append(check)
+        line = " ".join(f"{r['impl']} {r['ms']:.3f}" for r in rows if (r["hk"], r["hv"], r["seqs"]) == (hk, hv, spec))
+        print(f"{hk}/{hv} {spec}: {line} | " + " ".join(f"{k} {v:.1e}" for k, v in check.items() if k.endswith(("o", "ht", "prefix"))))
+        del x, outs
+        torch.cuda.empty_cache()
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "latest-fwd.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    meta = {"versions": versions(), "first_call_s": round(first_call, 2), "checks": checks}
+    with open(os.path.join(args.out, "latest-fwd-meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    md = render(rows, meta)
+    with open(os.path.join(args.out, f"{datetime.date.today().isoformat()}-fwd.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+def render(rows, meta):
+    """Markdown table: ms per implementation, FLA/qla, FlashQLA/qla, FlashInfer/qla, plus the checks."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["hk"], r["hv"], r["seqs"]), {})[r["impl"]] = r["ms"]
+    lines = [
+        "# Forward benchmark (CUDA-graph medians, ms)", "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), "",
+        f"qla first call in a fresh process with a warm kernel cache: {meta['first_call_s']} s", "",
+        "| H_qk/H_v | seqs | qla | FLA | FlashQLA | FlashInfer | FLA/qla | FlashQLA/qla | FlashInfer/qla |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    speedups = []
+    for (hk, hv, spec), t in by.items():
+        q = t.get("qla")
+
+        def cell(name):
+            return f"{t[name]:.3f}" if name in t else "-"
+
+        def ratio(name):
+            return f"{t[name] / q:.2f}" if name in t and q else "-"
+
+        if q and "fla" in t:
+            speedups.append(t["fla"] / q)
+        lines.append(f"| {hk}/{hv} | {spec} | {cell('qla')} | {cell('fla')} | {cell('flashqla')} | "
+                     f"{cell('flashinfer')} | {ratio('fla')} | {ratio('flashqla')} | {ratio('flashinfer')} |")
+    if speedups:
+        geo = torch.tensor(speedups).log().mean().exp().item()
+        lines += ["", f"Geometric-mean speedup over FLA: {geo:.2f}x over {len(speedups)} configurations"]
+    lines += ["", "## Checks (relative L2)", "", "```", json.dumps(meta["checks"], indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
