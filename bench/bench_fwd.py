@@ -112,6 +112,7 @@ def main():
     fq_order = sorted(configs, key=lambda c: c[1] * len(parse_seqs(c[2])) < 64)
     fq_left, fq_ok = args.flashqla_budget, set()
     rows, checks = [], []
+    meta = {"versions": versions(), "first_call_s": round(first_call, 2), "checks": checks}
     for hk, hv, spec in sorted(configs, key=fq_order.index):
         x = make_inputs(hk, hv, parse_seqs(spec))
         outs = {}
@@ -121,7 +122,7 @@ def main():
             t = time.time()
             try:
                 outs[name] = fn(x)
-                ms = time_graph(lambda: fn(x))
+                ms = time_graph(lambda: fn(x), reps=10)
             except Exception as err:  # noqa: BLE001 - a failing peer is reported, not fatal
                 print(f"{name} failed on {hk}/{hv} {spec}: {type(err).__name__}: {err}")
                 continue
@@ -140,17 +141,20 @@ def main():
         print(f"{hk}/{hv} {spec}: {line} | " + " ".join(f"{k} {v:.1e}" for k, v in check.items() if k.endswith(("o", "ht", "prefix"))))
         del x, outs
         torch.cuda.empty_cache()
+        md = save(args.out, rows, meta)  # after every configuration, so a cut-short run keeps its rows
+    print(md)
 
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "latest-fwd.json"), "w") as f:
+
+def save(out, rows, meta):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "latest-fwd.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    meta = {"versions": versions(), "first_call_s": round(first_call, 2), "checks": checks}
-    with open(os.path.join(args.out, "latest-fwd-meta.json"), "w") as f:
+    with open(os.path.join(out, "latest-fwd-meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     md = render(rows, meta)
-    with open(os.path.join(args.out, f"{datetime.date.today().isoformat()}-fwd.md"), "w") as f:
+    with open(os.path.join(out, f"{datetime.date.today().isoformat()}-fwd.md"), "w") as f:
         f.write(md)
-    print(md)
+    return md
 
 
 def render(rows, meta):
