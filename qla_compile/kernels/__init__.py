@@ -12,8 +12,11 @@ and batch layout:
 a dense ``[B, T]`` batch runs as one packed sequence with ``cu_seqlens = [0, T, 2T, ...]``.
 
 CUDA graphs: dense inputs are capturable (no host sync; the chunk tables are built on the device).
-Varlen inputs are capturable too when ``cu_seqlens`` is a device tensor, because nothing reads it
-on the host; the number of chunk slots is bounded by ``T_total // 64 + N`` from shapes alone.
+Varlen inputs are capturable too, with no warm-up call, when ``cu_seqlens`` is already a CUDA tensor:
+nothing reads it on the host and the number of chunk slots is bounded by ``T_total // 64 + N`` from
+shapes alone (a CPU ``cu_seqlens`` is copied to the device, which capture forbids).
+Known gaps: a log gate of -inf gives NaN (clamp g >= -88 before the call); the q/k L2 norm runs as
+torch ops before the kernels.
 """
 
 import torch
