@@ -5,7 +5,7 @@ median is reported.  FLA runs with ``FLA_FLASH_QLA=0`` (its own Triton kernels);
 through their autograd functions, qla through its two host entry points.  Writes
 ``bench/results/<date>-bwd.md`` and ``bench/results/latest-bwd.json`` (or under ``--out``).
 
-    python bench/bench_bwd.py [--quick] [--impls qla,fla,flashqla] [--out DIR]
+    python bench/bench_bwd.py [--quick] [--impls qla,fla,flashqla] [--only 16/64:8192x4,...] [--out DIR]
 """
 import argparse
 import datetime
@@ -74,6 +74,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--impls", default="qla,fla,flashqla")
+    ap.add_argument("--only", default="", help="comma list of hk/hv:seqs, e.g. 16/64:8192x4")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     impls = args.impls.split(",")
@@ -81,6 +82,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     for impl in impls:  # qla first: a run cut short still has its numbers
         for hk, hv, name, lens in configs(args.quick):
+            if args.only and f"{hk}/{hv}:{name}" not in args.only.split(","):
+                continue
             x = make_inputs(hk, hv, lens)
             gen = torch.Generator(device="cuda").manual_seed(1)
             do = torch.randn(x["v"].shape, device="cuda", generator=gen).to(x["v"].dtype)

@@ -1,7 +1,7 @@
 """The SM90 backward kernels lower and build for sm_90a on a machine without a GPU.
 
-Kept to four builds (CI has two cores): each kernel once per dtype, the bf16 build with every optional
-input and the fp16 build with none, so both branches of each flag are compiled.
+Kept to five builds (CI has two cores): the per-chunk gradient kernel once (it has no flags) and the two
+recurrences once per dtype, the bf16 build with every optional input and the fp16 build with none.
 """
 import importlib.util
 import shutil
@@ -14,8 +14,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 VARIANTS = [
-    ("chunk_bwd", dict(dtype="bfloat16", has_h0=True, has_dht=True)),
-    ("chunk_bwd", dict(dtype="float16", has_h0=False, has_dht=False)),
+    ("chunk_grads", dict(dtype="bfloat16")),
+    ("chunk_dstates", dict(dtype="float16", has_h0=False, has_dht=False, block_dv=64)),
+    ("chunk_dstates", dict(dtype="bfloat16", has_h0=True, has_dht=True, block_dv=128)),
     ("chunk_states", dict(dtype="bfloat16", has_h0=True, block_dv=128)),
     ("chunk_states", dict(dtype="float16", has_h0=False, block_dv=64)),
 ]

@@ -9,10 +9,12 @@ Pipeline (one packed token stream, chunks numbered globally as in ``gdr_fwd``):
 
 1. ``gdr_fwd.kkt_inverse`` -- T~ per chunk (the forward's kernel, reused).
 2. :func:`chunk_states` -- one CTA per (sequence, v-head, DV slice) runs the state recurrence and
-   stores every chunk-start state S in the input dtype, ``[chunk, H_v, K, V]``.
-3. :func:`chunk_bwd` -- one CTA per (sequence, v-head) walks the chunks in reverse with dS (fp32)
-   in registers and writes dq, dk (per v-head, fp32), dv, dg, dbeta and dh0.
-4. On the host: dq, dk summed over each GVA group.
+   stores every chunk-start state S in the input dtype, ``h[chunk, H_v, K, V]``.
+3. :func:`chunk_dstates` -- one CTA per (sequence, v-head, DV slice) runs the reverse recurrence of
+   dS (fp32 in registers), storing each chunk's incoming dS' as ``dh`` (input dtype), and dh0.
+4. :func:`chunk_grads` -- one CTA per (chunk, v-head), all chunks in parallel: dq, dk (per v-head,
+   fp32), dv, dg and dbeta from q, k, v, dO, T~, S and dS'.
+5. On the host: dq, dk summed over each GVA group.
 
 dg is formed without cancellation, as in the reference: dg_t = sum_{s>=t} de_s + sum_{s<t} dr_s
 + a <dS', S> + sum_{s>=t, j<t} Y_sj with Y = dP o P_g + dA o A_g, all in fp32.
@@ -119,12 +121,125 @@ def chunk_states(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
 
 
 @compiled
-def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, threads: int = 256):
-    """Reverse-chunk backward per (sequence, v-head): dq, dk (per v-head), dv, dg, dbeta, dh0."""
+def chunk_dstates(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, block_dv: int = 128,
+                  threads: int = 256):
+    """The reverse recurrence dS = a dS' + scale Q^T (e o dO) + K^T dU0 per (sequence, v-head, DV slice).
+
+    Stores each chunk's incoming dS' (input dtype) in ``dh[chunk, hv]`` and dh0 (fp32) when asked.
+    dU0 = -e o A_g^T (r o K dS' + P_g^T dO) is the only state-dependent term, so the chain per chunk
+    is three GEMMs on the state plus two off it.
+    """
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
     n_dht = T.dynamic("n_dht")
+    h_qk = T.dynamic("h_qk")
+    h_v = T.dynamic("h_v")
+    C = CHUNK
+    acc = "float32"
+
+    @T.prim_func
+    def kernel(
+        q: T.Tensor((n_tok, h_qk, dk), dtype),
+        k: T.Tensor((n_tok, h_qk, dk), dtype),
+        do: T.Tensor((n_tok, h_v, dv), dtype),
+        g: T.Tensor((h_v, n_tok), acc),
+        beta: T.Tensor((h_v, n_tok), acc),
+        tt: T.Tensor((n_chunk, h_v, C, C), "float16"),
+        cu_seqlens: T.Tensor((n_seq1,), "int32"),
+        chunk_offsets: T.Tensor((n_seq1,), "int32"),
+        dht: T.Tensor((n_dht, h_v, dk, dv), acc),
+        scale: T.float32,
+        dh: T.Tensor((n_chunk, h_v, dk, dv), dtype),
+        dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
+    ):
+        with T.Kernel(n_seq1 - 1, h_v, dv // block_dv, threads=threads) as (seq, hv, bv):
+            q_s = T.alloc_shared((C, dk), dtype)
+            k_s = T.alloc_shared((C, dk), dtype)
+            do_s = T.alloc_shared((C, block_dv), dtype)
+            g_s = T.alloc_shared((C,), acc)
+            b_s = T.alloc_shared((C,), acc)
+            gam_s = T.alloc_shared((C,), acc)
+            e_s = T.alloc_shared((C,), acc)
+            r_s = T.alloc_shared((C,), acc)
+            ds_s = T.alloc_shared((dk, block_dv), dtype)
+            a_s = T.alloc_shared((C, C), dtype)
+            p_s = T.alloc_shared((C, C), dtype)
+            x_s = T.alloc_shared((C, block_dv), dtype)  # dV', then dU0
+            w_s = T.alloc_shared((C, block_dv), dtype)  # scale e o dO
+            ds_f = T.alloc_fragment((dk, block_dv), acc)
+            u_f = T.alloc_fragment((C, block_dv), acc)
+            p_f = T.alloc_fragment((C, C), acc)
+
+            hk = hv // (h_v // h_qk)
+            v0 = bv * block_dv
+            bos = cu_seqlens[seq]
+            seqlen = cu_seqlens[seq + 1] - bos
+            coff = chunk_offsets[seq]
+            n_c = T.ceildiv(seqlen, C)
+            if has_dht:
+                T.copy(dht[seq, hv, :, v0 : v0 + block_dv], ds_f)
+            else:
+                T.clear(ds_f)
+
+            for it in T.serial(n_c):
+                ci = n_c - 1 - it
+                start = bos + ci * C
+                length = T.min(seqlen - ci * C, C)
+                T.copy(q[start : start + C, hk, :], q_s)
+                T.copy(k[start : start + C, hk, :], k_s)
+                T.copy(do[start : start + C, hv, v0 : v0 + block_dv], do_s)
+                T.copy(g[hv, start : start + C], g_s)
+                T.copy(beta[hv, start : start + C], b_s)
+                if length < C:  # rows past the sequence's end are zero
+                    for i, d in T.Parallel(C, dk):
+                        q_s[i, d] = T.if_then_else(i < length, q_s[i, d], T.cast(0, dtype))
+                        k_s[i, d] = T.if_then_else(i < length, k_s[i, d], T.cast(0, dtype))
+                    for i, d in T.Parallel(C, block_dv):
+                        do_s[i, d] = T.if_then_else(i < length, do_s[i, d], T.cast(0, dtype))
+                for i in T.Parallel(C):
+                    gam_s[i] = T.if_then_else(i < length, g_s[i], T.float32(0))
+                    b_s[i] = T.if_then_else(i < length, b_s[i], T.float32(0))
+                T.cumsum(gam_s, dim=0)
+                for i in T.Parallel(C):
+                    e_s[i] = T.exp2(gam_s[i] * _LOG2E)
+                    r_s[i] = T.exp2((gam_s[C - 1] - gam_s[i]) * _LOG2E)
+                T.copy(ds_f, ds_s)
+                T.copy(ds_s, dh[coff + ci, hv, :, v0 : v0 + block_dv])
+                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
+                    p_s[i, j] = T.cast(scale * gm * p_f[i, j], dtype)
+                    a_s[i, j] = T.cast(gm * T.cast(tt[coff + ci, hv, i, j], acc) * b_s[j], dtype)
+                for i, d in T.Parallel(C, block_dv):
+                    w_s[i, d] = T.cast(scale * e_s[i] * T.cast(do_s[i, d], acc), dtype)
+                # dV' = r o K dS' + P_g^T dO;  dU0 = -e o A_g^T dV'
+                T.gemm(k_s, ds_s, u_f, clear_accum=True)
+                for i, d in T.Parallel(C, block_dv):
+                    u_f[i, d] = r_s[i] * u_f[i, d]
+                T.gemm(p_s, do_s, u_f, transpose_A=True)
+                T.copy(u_f, x_s)
+                T.gemm(a_s, x_s, u_f, transpose_A=True, clear_accum=True)
+                for i, d in T.Parallel(C, block_dv):
+                    x_s[i, d] = T.cast(-e_s[i] * u_f[i, d], dtype)
+                # dS = a dS' + Q^T (scale e o dO) + K^T dU0
+                for a, b in T.Parallel(dk, block_dv):
+                    ds_f[a, b] = ds_f[a, b] * e_s[C - 1]
+                T.gemm(q_s, w_s, ds_f, transpose_A=True)
+                T.gemm(k_s, x_s, ds_f, transpose_A=True)
+
+            if has_h0:
+                T.copy(ds_f, dh0[seq, hv, :, v0 : v0 + block_dv])
+
+    return kernel
+
+
+@compiled
+def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
+    """Per (chunk, v-head), given S and dS' of the chunk: dq, dk (per v-head), dv, dg, dbeta."""
+    n_tok = T.dynamic("n_tok")
+    n_chunk = T.dynamic("n_chunk")
+    n_seq1 = T.dynamic("n_seq1")
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
     C = CHUNK
@@ -141,25 +256,24 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
         beta: T.Tensor((h_v, n_tok), acc),
         tt: T.Tensor((n_chunk, h_v, C, C), "float16"),
         h: T.Tensor((n_chunk, h_v, dk, dv), dtype),
+        dh: T.Tensor((n_chunk, h_v, dk, dv), dtype),
         cu_seqlens: T.Tensor((n_seq1,), "int32"),
         chunk_offsets: T.Tensor((n_seq1,), "int32"),
-        dht: T.Tensor((n_dht, h_v, dk, dv), acc),
         scale: T.float32,
         dq_out: T.Tensor((n_tok, h_v, dk), acc),
         dk_out: T.Tensor((n_tok, h_v, dk), acc),
         dv_out: T.Tensor((n_tok, h_v, dv), dtype),
         dg_out: T.Tensor((h_v, n_tok), acc),
         db_out: T.Tensor((h_v, n_tok), acc),
-        dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
     ):
-        with T.Kernel(n_seq1 - 1, h_v, threads=threads) as (seq, hv):
+        with T.Kernel(n_chunk, h_v, threads=threads) as (chunk, hv):
             q_s = T.alloc_shared((C, dk), dtype)
             k_s = T.alloc_shared((C, dk), dtype)
             v_s = T.alloc_shared((C, dv), dtype)  # V, then e o U0, then dU0
             do_s = T.alloc_shared((C, dv), dtype)
             s_s = T.alloc_shared((dk, dv), dtype)  # S
             ds_s = T.alloc_shared((dk, dv), dtype)  # dS'
-            w_s = T.alloc_shared((C, dv), dtype)  # W', then scale e o dO
+            w_s = T.alloc_shared((C, dv), dtype)  # W'
             vn_s = T.alloc_shared((C, dv), dtype)
             dvn_s = T.alloc_shared((C, dv), dtype)
             tt_s = T.alloc_shared((C, C), dtype)  # T~ in the GEMM dtype (fp16 values read from tt)
@@ -176,7 +290,6 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
             db_s = T.alloc_shared((C,), acc)
             db2_s = T.alloc_shared((C,), acc)
             sd_s = T.alloc_shared((dk,), acc)
-            ds_f = T.alloc_fragment((dk, dv), acc)
             sq_f = T.alloc_fragment((dk, dv), acc)
             sd_f = T.alloc_fragment((dk,), acc)
             b1_f = T.alloc_fragment((C, dv), acc)
@@ -192,24 +305,27 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
             dg_f = T.alloc_fragment((C,), acc)
 
             hk = hv // (h_v // h_qk)
-            bos = cu_seqlens[seq]
-            seqlen = cu_seqlens[seq + 1] - bos
-            coff = chunk_offsets[seq]
-            n_c = T.ceildiv(seqlen, C)
-            if has_dht:
-                T.copy(dht[seq, hv, :, :], ds_f)
-            else:
-                T.clear(ds_f)
-
-            for it in T.serial(n_c):
-                ci = n_c - 1 - it
-                start = bos + ci * C
-                length = T.min(seqlen - ci * C, C)
+            n_seq = n_seq1 - 1
+            if chunk < chunk_offsets[n_seq]:  # slots past the last chunk are unused
+                # the owning sequence: the largest s with chunk_offsets[s] <= chunk
+                seq = T.alloc_var("int32", init=0)
+                hi = T.alloc_var("int32", init=n_seq - 1)
+                for _ in T.serial(31):
+                    if seq < hi:
+                        mid = (seq + hi + 1) // 2
+                        if chunk_offsets[mid] <= chunk:
+                            seq = mid
+                        else:
+                            hi = mid - 1
+                ci = chunk - chunk_offsets[seq]
+                start = cu_seqlens[seq] + ci * C
+                length = T.min(cu_seqlens[seq + 1] - start, C)
                 T.copy(q[start : start + C, hk, :], q_s)
                 T.copy(k[start : start + C, hk, :], k_s)
                 T.copy(v[start : start + C, hv, :], v_s)
                 T.copy(do[start : start + C, hv, :], do_s)
-                T.copy(h[coff + ci, hv, :, :], s_s)
+                T.copy(h[chunk, hv, :, :], s_s)
+                T.copy(dh[chunk, hv, :, :], ds_s)
                 T.copy(g[hv, start : start + C], g_s)
                 T.copy(beta[hv, start : start + C], b_s)
                 if length < C:  # rows past the sequence's end are zero
@@ -226,10 +342,9 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
                 for i in T.Parallel(C):
                     e_s[i] = T.exp2(gam_s[i] * _LOG2E)
                     r_s[i] = T.exp2((gam_s[C - 1] - gam_s[i]) * _LOG2E)
-                # dS' to smem; <dS', S> row sums for the gamma_C term
-                T.copy(ds_f, ds_s)
+                # <dS', S> row sums for the gamma_C term
                 for a, b in T.Parallel(dk, dv):
-                    sq_f[a, b] = ds_f[a, b] * T.cast(s_s[a, b], acc)
+                    sq_f[a, b] = T.cast(ds_s[a, b], acc) * T.cast(s_s[a, b], acc)
                 T.reduce_sum(sq_f, sd_f, dim=1)
                 T.copy(sd_f, sd_s)
                 # P_g = scale Gamma o Q K^T and A_g = Gamma o T~ o beta_col
@@ -237,8 +352,8 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
                 for i, j in T.Parallel(C, C):
                     gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
                     p_s[i, j] = T.cast(scale * gm * s1_f[i, j], dtype)
-                    a_s[i, j] = T.cast(gm * T.cast(tt[coff + ci, hv, i, j], acc) * b_s[j], dtype)
-                    tt_s[i, j] = T.cast(tt[coff + ci, hv, i, j], dtype)
+                    a_s[i, j] = T.cast(gm * T.cast(tt[chunk, hv, i, j], acc) * b_s[j], dtype)
+                    tt_s[i, j] = T.cast(tt[chunk, hv, i, j], dtype)
                 # W' = V - e o U0 (v_s keeps e o U0);  V' = A_g W'
                 T.gemm(k_s, s_s, b1_f, clear_accum=True)
                 for i, d in T.Parallel(C, dv):
@@ -272,7 +387,7 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
                 T.gemm(dvn_s, w_s, s1_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
-                    s2_f[i, j] = s1_f[i, j] * gm * T.cast(tt[coff + ci, hv, i, j], acc)
+                    s2_f[i, j] = s1_f[i, j] * gm * T.cast(tt[chunk, hv, i, j], acc)
                     y_s[i, j] = s2_f[i, j] * b_s[j]
                     p_s[i, j] = T.cast(s1_f[i, j] * gm * b_s[j], dtype)
                 T.reduce_sum(s2_f, db1_f, dim=0)
@@ -313,13 +428,6 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
                         dk_out[start + i, hv, d] = dk_f[i, d]
                 for i in T.Parallel(C):
                     de_s[i] = deq_f[i] - deu_f[i]
-                # dS = a dS' + Q^T (scale e o dO) + K^T dU0
-                for i, d in T.Parallel(C, dv):
-                    w_s[i, d] = T.cast(scale * e_s[i] * T.cast(do_s[i, d], acc), dtype)
-                for a, b in T.Parallel(dk, dv):
-                    ds_f[a, b] = ds_f[a, b] * e_s[C - 1]
-                T.gemm(q_s, w_s, ds_f, transpose_A=True)
-                T.gemm(k_s, v_s, ds_f, transpose_A=True)
                 # dg_t = sum_s M_st with M_st = [s >= t] (de_s + sum_{j<t} Y_sj) + [s < t] dr_s + a (sd_s + sd_{s+C})
                 T.cumsum(y_s, dim=1)
                 for i, j in T.Parallel(C, C):
@@ -332,9 +440,6 @@ def chunk_bwd(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, thre
                     if i < length:
                         dg_out[hv, start + i] = dg_f[i]
                         db_out[hv, start + i] = db_s[i] + db2_s[i]
-
-            if has_h0:
-                T.copy(ds_f, dh0[seq, hv, :, :])
 
     return kernel
 
@@ -378,6 +483,11 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
 
     has_dht = dht is not None
     dht_ = dht.to(torch.float32).contiguous() if has_dht else torch.empty(1, h_v, dk, dv, device=dev)
+    dh = torch.empty(n_slots, h_v, dk, dv, device=dev, dtype=q.dtype)
+    dh0 = torch.empty(n_seq, h_v, dk, dv, device=dev, dtype=torch.float32)
+    chunk_dstates(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
+        q3, k3, do3, g2, b2, tt, cu, offsets, dht_, float(scale), dh, dh0)
+
     f32 = dict(device=dev, dtype=torch.float32)
     # dq, dk per v-head: rows past cu_seqlens[-1] stay unwritten and are zeroed after the group sum.
     dq = torch.empty(n_tok, h_v, dk, **f32)
@@ -385,9 +495,8 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     dvo = torch.zeros_like(v3)
     dg = torch.zeros(h_v, n_tok, **f32)
     db = torch.zeros(h_v, n_tok, **f32)
-    dh0 = torch.empty(n_seq, h_v, dk, dv, **f32)
-    kernel = chunk_bwd(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht)
-    kernel(q3, k3, v3, do3, g2, b2, tt, h, cu, offsets, dht_, float(scale), dq, dkh, dvo, dg, db, dh0)
+    chunk_grads(dk=dk, dv=dv, dtype=dtype)(q3, k3, v3, do3, g2, b2, tt, h, dh, cu, offsets, float(scale),
+                                           dq, dkh, dvo, dg, db)
 
     groups = h_v // h_qk
     dq = dq.view(n_tok, h_qk, groups, dk).sum(2)
