@@ -460,6 +460,11 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     dtype = _DTYPES[q.dtype]
     n_tok = B * T_
     dev = q.device
+    if n_tok == 0:  # nothing to launch; dh0 is dht passed straight through
+        dh0 = None
+        if initial_state is not None:
+            dh0 = torch.zeros_like(initial_state, dtype=torch.float32) if dht is None else dht.float().clone()
+        return tuple(torch.zeros_like(x) for x in (q, k, v, g, beta)) + (dh0,)
     q3 = q.reshape(n_tok, h_qk, dk).contiguous()
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
