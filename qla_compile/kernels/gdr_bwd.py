@@ -444,6 +444,18 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
     return kernel
 
 
+def variants():
+    """``(kernel name, params)`` of every variant :func:`chunk_gdr_bwd_hopper` can launch (for prebuild)."""
+    out = [("chunk_grads", dict(dk=128, dv=128, dtype=dt)) for dt in _DTYPES.values()]
+    for dt in _DTYPES.values():
+        for block_dv in (64, 128):
+            for has_h0 in (False, True):
+                base = dict(dk=128, dv=128, dtype=dt, has_h0=has_h0, block_dv=block_dv)
+                out.append(("chunk_states", base))
+                out += [("chunk_dstates", dict(base, has_dht=has_dht)) for has_dht in (False, True)]
+    return out
+
+
 def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None):
     """GDN chunked backward on SM90: ``(dq, dk, dv, dg, dbeta, dh0)``.
 
