@@ -3,11 +3,10 @@
 Two mechanisms, both before AOTAutograd so that training differentiates through the ``qla`` backward op:
 
 * **Front door** (``passes/frontdoor.py``): dynamo substitutions for the known eager GDN functions, so they
-  trace as one ``qla`` op with a dynamic length.  Registration is global to the process and idempotent.
-  It must happen before dynamo traces: importing this module registers what is imported by then, and
-  ``qla_compile.register_substitutions()`` registers the rest (call it once before compiling).  A backend
-  call registers modules imported since; a graph traced before that is still fused by the FX pass, and
-  the next trace (e.g. at the next new length) goes through the front door.
+  trace as one ``qla`` op with a dynamic length.  Registration is global to the process, idempotent and
+  explicit: ``qla_compile.register_substitutions()`` (call it once before compiling), and every backend
+  call registers what was imported since.  A graph traced before any registration is still fused by the
+  FX pass, and the next trace (e.g. at the next new length) goes through the front door.
 * **FX pass** (``passes/fuse.py``): on each graph dynamo hands over, proves and fuses GDN written any other
   way.  Then Inductor compiles the result.
 """
@@ -94,5 +93,3 @@ def make_backend(inductor: bool = True, mode: str | None = None, options: dict[s
 
 
 backend = make_backend()
-
-frontdoor.refresh()

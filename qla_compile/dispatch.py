@@ -16,6 +16,7 @@ import torch
 
 from .reference import (
     GDROptions,
+    activation_bwd,
     activate_gates,
     chunk_gdr_bwd_reference,
     chunk_gdr_fwd_reference,
@@ -60,5 +61,20 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: G
 
 
 def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions):
-    """The backward runs the reference on every device until the Hopper backward kernels land."""
-    return chunk_gdr_bwd_reference(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+    if select(q, k, v) == "reference":
+        return chunk_gdr_bwd_reference(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+    kernels = _kernels()
+    from .kernels.gdr_bwd import chunk_gdr_bwd_hopper
+
+    qa, ka = (kernels._l2norm(q), kernels._l2norm(k)) if opts.use_qk_l2norm_in_kernel else (q, k)
+    ga, ba = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
+    dqa, dka, dv, dga, dba, dh0 = chunk_gdr_bwd_hopper(
+        do.contiguous(), _state_to_kv(dht, opts), qa, ka, v, ga, ba, opts.scale,
+        _state_to_kv(initial_state, opts), cu_seqlens,
+    )
+    dq, dk, dg, dbeta, dA_log, ddt_bias = activation_bwd(
+        q, k, g, beta, A_log, dt_bias, opts, dqa.float(), dka.float(), dga.float(), dba.float()
+    )
+    if dh0 is not None:
+        dh0 = (dh0.mT if opts.state_v_first else dh0).contiguous().to(initial_state.dtype)
+    return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0

@@ -197,9 +197,11 @@ def _split_chunks(q, k, v, g, beta, scale: float) -> _Chunks:
         return x.reshape(B, H, nt, CHUNK, *x.shape[3:])
 
     q, k, v, g, beta = map(blocks, (q, k, v, g, beta))
-    gam = g.cumsum(-1)
+    # The cumsum and its differences in float64: with strong decay gam reaches -1e3 within a chunk, and
+    # float32 differences of such sums would lose the small per-token gates (relative error ~1e-4).
+    gam = g.double().cumsum(-1)
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    Gam = torch.where(causal, gam[..., :, None] - gam[..., None, :], float("-inf")).exp()
+    Gam = torch.where(causal, gam[..., :, None] - gam[..., None, :], float("-inf")).exp().to(q.dtype)
     eye = torch.eye(CHUNK, dtype=q.dtype, device=q.device)
     KK = k @ k.mT
     L = (beta[..., :, None] * KK).tril(-1)
@@ -210,9 +212,9 @@ def _split_chunks(q, k, v, g, beta, scale: float) -> _Chunks:
         A=Gam * Tt * beta[..., None, :],
         QK=QK,
         P=scale * Gam * QK,
-        e=gam.exp(),
-        r=(gam[..., -1:] - gam).exp(),
-        a=gam[..., -1].exp(),
+        e=gam.exp().to(q.dtype),
+        r=(gam[..., -1:] - gam).exp().to(q.dtype),
+        a=gam[..., -1].exp().to(q.dtype),
         length=T,
     )
 
@@ -363,7 +365,7 @@ def chunk_gdr_bwd_reference(
     groups = v.shape[2] // q.shape[2]
     dqa, dka = _from_heads(dqa, groups), _from_heads(dka, groups)
     dv, dga, dba = _from_heads(dv), dga.transpose(1, 2), dba.transpose(1, 2)
-    dq, dk, dg, dbeta, dA_log, ddt_bias = _activation_bwd(q, k, g, beta, A_log, dt_bias, opts, dqa, dka, dga, dba)
+    dq, dk, dg, dbeta, dA_log, ddt_bias = activation_bwd(q, k, g, beta, A_log, dt_bias, opts, dqa, dka, dga, dba)
     dh0 = None if initial_state is None else _state_out(dh0, opts).to(initial_state.dtype)
     return dq, dk, dv.to(v.dtype), dg, dbeta, dA_log, ddt_bias, dh0
 
@@ -373,7 +375,7 @@ def _state_out(states: list[Tensor], opts: GDROptions) -> Tensor:
     return (s.mT if opts.state_v_first else s).contiguous()
 
 
-def _activation_bwd(q, k, g, beta, A_log, dt_bias, opts: GDROptions, dqa, dka, dga, dba):
+def activation_bwd(q, k, g, beta, A_log, dt_bias, opts: GDROptions, dqa, dka, dga, dba):
     """Chain the activated-input gradients back through L2 norm, gate and beta sigmoid."""
     f32 = torch.float32
     if opts.use_qk_l2norm_in_kernel:
@@ -382,10 +384,10 @@ def _activation_bwd(q, k, g, beta, A_log, dt_bias, opts: GDROptions, dqa, dka, d
     if opts.use_gate_in_kernel:
         x = g.to(f32) if dt_bias is None else g.to(f32) + dt_bias.to(f32)
         neg_a = -A_log.to(f32).exp()
-        dA_log = (dga * neg_a * F.softplus(x)).sum((0, 1)).to(A_log.dtype)
+        dA_log = (dga * neg_a * F.softplus(x)).double().sum((0, 1)).to(A_log.dtype)
         dga = dga * neg_a * torch.sigmoid(x)
         if dt_bias is not None:
-            ddt_bias = dga.sum((0, 1)).to(dt_bias.dtype)
+            ddt_bias = dga.double().sum((0, 1)).to(dt_bias.dtype)
     if opts.use_beta_sigmoid_in_kernel:
         s = torch.sigmoid(beta.to(f32))
         dba = dba * s * (1 - s) * (2.0 if opts.allow_neg_eigval else 1.0)

@@ -22,6 +22,9 @@ CASES = {
     "fla_layer_varlen": dict(T=100, cu_seqlens=[0, 33, 100], gate_in_kernel=True, initial_state=True),
 }
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+# dA_log and ddt_bias sum signed per-token terms over the whole sequence; with a strong-decay head the sum
+# is far smaller than its terms, which amplifies the float32 per-token error (worst seen: 8e-4 in 800 draws).
+GRAD_TOL = {"A_log": 2e-3, "dt_bias": 2e-3}
 
 
 def _run(fn, kw, dtype=None):
@@ -57,7 +60,7 @@ def test_forward_and_grads_match_float64_oracle(case):
     rgrads = torch.autograd.grad((ro * do.double()).sum() + (rht * dht.double()).sum(), list(rleaves.values()))
     for name, grad, ref in zip(leaves, grads, rgrads):
         assert grad.shape == leaves[name].shape and grad.dtype == leaves[name].dtype, name
-        assert rel_err(grad, ref) < 1e-4, f"d{name}: {rel_err(grad, ref):.2e}"
+        assert rel_err(grad, ref) < GRAD_TOL.get(name, 1e-4), f"d{name}: {rel_err(grad, ref):.2e}"
 
 
 def test_final_state_is_none_unless_asked():

@@ -16,7 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.fx.experimental.symbolic_shapes import optimization_hint as hint_int
+try:  # torch >= 2.13
+    from torch.fx.experimental.symbolic_shapes import optimization_hint as hint_int
+except ImportError:
+    from torch.fx.experimental.symbolic_shapes import hint_int
 
 from .. import ops
 from .dataflow import is_tensor, value
