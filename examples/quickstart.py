@@ -23,7 +23,7 @@ for attempt in ("first call", "second call"):
     o, ht = qla_compile.chunk_gated_delta_rule(
         q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
-    print(f"forward ({dispatch.select(q)} on {q.device}, {attempt}): o {tuple(o.shape)}, "
+    print(f"forward ({dispatch.select(q, k, v)} on {q.device}, {attempt}): o {tuple(o.shape)}, "
           f"final state {tuple(ht.shape)} in {1e3 * (time.perf_counter() - t0):.1f} ms")
 
 ro, rht = qla_compile.recurrent_gdr_reference(

@@ -33,10 +33,8 @@ def _kernels():
     return kernels
 
 
-def select(q, k=None, v=None) -> str:
+def select(q, k, v) -> str:
     """The implementation that runs for these inputs: ``"hopper"`` or ``"reference"``."""
-    k = q if k is None else k
-    v = q if v is None else v
     if os.environ.get("QLA_FORCE_REFERENCE") == "1" or q.device.type != "cuda":
         return "reference"
     kernels = _kernels()
