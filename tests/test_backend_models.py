@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import qla_compile.backend as qb
+import qla_compile as qb
 from gdn_inputs import rel_err
 from qla_compile.passes import frontdoor
 

@@ -4,7 +4,7 @@ import types
 import pytest
 import torch
 
-import qla_compile.backend as qb
+import qla_compile as qb
 from gdn_inputs import make_inputs, rel_err
 from legacy_sources import fla_naive, legacy_transformers_gdn
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import qla_compile.backend as qb
+import qla_compile as qb
 from gdn_inputs import make_inputs, rel_err
 from qla_compile import recurrent_gdr_reference
 
