@@ -8,7 +8,7 @@ Two mechanisms, both before AOTAutograd so that training differentiates through 
   call registers what was imported since.  A graph traced before any registration is still fused by the
   FX pass, and the next trace (e.g. at the next new length) goes through the front door.
 * **FX pass** (``passes/fuse.py``): on each graph dynamo hands over, proves and fuses GDN written any other
-  way.  Then Inductor compiles the result.
+  way.  Then Inductor compiles the result (with ``inductor_compat``'s fixes for dynamic shapes).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from .inductor_compat import dynamic_shape_fixes
 from .passes import frontdoor
 from .passes.fuse import fuse_gdn_regions
 from .passes.report import GraphReport
@@ -69,7 +70,8 @@ class QlaBackend:
         from torch._inductor.compile_fx import compile_fx
 
         patches = {**list_mode_options(mode or "default"), **options}
-        return compile_fx(gm, example_inputs, config_patches=patches or None)
+        with dynamic_shape_fixes():  # the backward graph compiles here too, ahead of time
+            return compile_fx(gm, example_inputs, config_patches=patches or None)
 
     def __repr__(self) -> str:
         return (f"QlaBackend(inductor={self.inductor}, mode={self.mode!r}, options={self.options}, "
