@@ -1,0 +1,102 @@
+"""FLA under ``torch.compile(..., backend=qla_compile backend)`` on CPU; run by ``test_fla.py`` in a subprocess
+with ``.sidepkgs/fla`` importable (see ``legacy_sources.py``).  ``python fla_checks.py op|layer``.
+
+FLA's own kernels are Triton and do not run on CPU, so every result is checked against the float64 oracle
+``qla_compile.recurrent_gdr_reference`` fed the same inputs.  Of FLA's ``GatedDeltaNet`` layer, the short
+convolution (``ShortConvolution``/``causal_conv1d``: Triton behind ``torch.compiler.disable``) and the
+output norm (``FusedRMSNormGated``: Triton) cannot run on CPU: the layer is built with
+``use_short_conv=False`` and its ``o_norm`` swapped for the same gated RMSNorm in torch.  Everything else,
+including the ``chunk_gated_delta_rule`` call with all the layer's options, is FLA's code.
+"""
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qla_compile
+from gdn_inputs import make_inputs, rel_err
+
+
+class TorchGatedRMSNorm(nn.Module):
+    """``FusedRMSNormGated`` (swish gate) in torch."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x, gate):
+        x = x.float()
+        x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight
+        return x * F.silu(gate.float())
+
+
+def check_op():
+    """FLA's public op: no graph break under fullgraph, one graph for several lengths, the oracle's values."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    qla_compile.register_substitutions()
+    backend = qla_compile.make_backend(inductor=False)
+    compiled = torch.compile(chunk_gated_delta_rule, backend=backend, fullgraph=True, dynamic=True)
+    for T in (30, 64, 100, 200):
+        kw = make_inputs(T=T, H=2, HV=4, K=16, V=16, l2norm=True, gate_in_kernel=True, beta_sigmoid=True,
+                         initial_state=True, state_v_first=True, seed=T)
+        o, state = compiled(**kw, output_final_state=True)
+        o_ref, state_ref = qla_compile.recurrent_gdr_reference(**kw, output_final_state=True)
+        assert rel_err(o, o_ref) < 1e-4 and rel_err(state, state_ref) < 1e-4, T
+    assert len(backend.reports) == 1, [r.summary() for r in backend.reports]
+    assert backend.reports[0].front_door_calls == 1, backend.reports[0].summary()
+    print(f"op OK: 4 lengths, {len(backend.reports)} graph")
+
+
+def _layer():
+    from fla.layers import GatedDeltaNet
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(hidden_size=64, head_dim=16, num_heads=2, num_v_heads=4, expand_v=1.0,
+                          use_short_conv=False)
+    layer.o_norm = TorchGatedRMSNorm(layer.o_norm)
+    return layer
+
+
+def _oracle_forward(layer, x):
+    """The layer's forward (``use_short_conv=False``) with the oracle in place of ``chunk_gated_delta_rule``."""
+    heads = lambda t, h: t.unflatten(-1, (h, -1))
+    q = heads(F.silu(layer.q_proj(x)), layer.num_heads)
+    k = heads(F.silu(layer.k_proj(x)), layer.num_heads)
+    v = heads(F.silu(layer.v_proj(x)), layer.num_v_heads)
+    o, _ = qla_compile.recurrent_gdr_reference(
+        q, k, v, layer.a_proj(x), layer.b_proj(x), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        A_log=layer.A_log, dt_bias=layer.dt_bias, use_beta_sigmoid_in_kernel=True, state_v_first=True,
+    )
+    o = layer.o_norm(o.float(), heads(layer.g_proj(x), layer.num_v_heads))
+    return layer.o_proj(o.flatten(-2))
+
+
+def _grads(layer, out):
+    layer.zero_grad(set_to_none=True)
+    out.square().mean().backward()
+    return {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def check_layer():
+    """FLA's layer, fullgraph with the default (Inductor) backend: outputs and gradients equal the oracle's."""
+    layer = _layer()
+    qla_compile.register_substitutions()
+    backend = qla_compile.backend
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    x = torch.randn(2, 70, 64, generator=torch.Generator().manual_seed(1))
+    out = compiled(x)[0]
+    ref = _oracle_forward(layer, x)
+    assert rel_err(out, ref) < 1e-4, rel_err(out, ref)
+    grads, ref_grads = _grads(layer, out), _grads(layer, ref)
+    for name in ("A_log", "dt_bias", "q_proj.weight", "b_proj.weight", "a_proj.weight", "o_proj.weight"):
+        assert grads[name].abs().sum() > 0, name
+        assert rel_err(grads[name], ref_grads[name]) < 1e-3, (name, rel_err(grads[name], ref_grads[name]))
+    (report,) = backend.reports
+    assert report.front_door_calls == 1, report.summary()
+    print(f"layer OK: {report.summary()}")
+
+
+if __name__ == "__main__":
+    {"op": check_op, "layer": check_layer}[sys.argv[1]]()
