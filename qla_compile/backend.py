@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .inductor_compat import dynamic_shape_fixes
+from .inductor_compat import dynamic_config, dynamic_shape_fixes
 from .passes import frontdoor
 from .passes.fuse import fuse_gdn_regions
 from .passes.report import GraphReport
@@ -69,7 +69,7 @@ class QlaBackend:
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {**list_mode_options(mode or "default"), **options}
+        patches = {**dynamic_config(example_inputs), **list_mode_options(mode or "default"), **options}
         with dynamic_shape_fixes():  # the backward graph compiles here too, ahead of time
             return compile_fx(gm, example_inputs, config_patches=patches or None)
 

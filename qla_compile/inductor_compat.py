@@ -14,6 +14,13 @@ compiled a new graph), and ``dynamic_shape_fixes()`` undoes both while our backe
   in front of every GDN layer.  Backward convolutions with symbolic sizes take the ATen kernel instead, as
   on torch <= 2.11; static ones keep Inductor's lowering.
 
+A third, ``dynamic_config()``, is an Inductor option for graphs with symbolic sizes:
+
+* **No layout optimisation.**  On CPU with oneDNN, Inductor enables it for any graph with a convolution,
+  symbolic sizes or not, then fails choosing a channels-last order for a 4-D tensor with a symbolic size
+  (``cannot determine truth value of Relational``), e.g. the q/k/v of a batch-1 GDN layer.  It only
+  reorders 4-D conv2d activations, which GDN models do not have.
+
 Each fix checks that the torch internals it relies on exist and otherwise leaves torch alone.
 """
 from __future__ import annotations
@@ -78,6 +85,13 @@ def _dynamic_conv_backward_fallback():
         yield
     finally:
         table[key] = inductor_lowering
+
+
+def dynamic_config(example_inputs) -> dict:
+    """Inductor options for a graph compiled for ``example_inputs`` (see the module docstring)."""
+    symbolic = any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and not all(
+        isinstance(s, int) for s in x.shape)) for x in example_inputs)
+    return {"layout_optimization": False} if symbolic else {}
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ def tiny_qwen3_next():
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=16, num_experts=2, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[0, 1],  # dense MLPs
         layer_types=["linear_attention", "full_attention"],
     )
     torch.manual_seed(0)
@@ -52,38 +52,33 @@ def _assert_matches_eager(model, compiled, ids):
 
 
 def test_qwen3_next_trains_few_compiles_every_call_fused():
-    """The issue's bar: our ops in forward and backward, <= 3 compiles over 10 lengths, logits/grads = eager.
+    """The issue's bar with the default backend (Inductor): our ops in forward and backward, <= 3 compiles
+    over 10 lengths, logits/grads = eager.
 
-    AOTAutograd with eager kernels (``inductor=False``): the same rewritten graph Inductor gets, at a CI cost.
+    Inductor's compile time on CPU is almost all C++ compilation of its generated kernels (the pass takes
+    milliseconds), hence the dense-MLP model and the two graphs (static first length, then dynamic).
     """
     model = tiny_qwen3_next()
-    frontdoor.register_substitutions()
-    backend = qb.make_backend(inductor=False)
+    qb.register_substitutions()
+    backend = qb.backend
+    first = len(backend.reports)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend)
     for T in LENGTHS:
         ids = torch.randint(0, 96, (2, T), generator=torch.Generator().manual_seed(T))
         _assert_matches_eager(model, compiled, ids)
-    assert len(backend.reports) <= 3, [r.summary() for r in backend.reports]
-    assert all(r.fused_calls == 1 for r in backend.reports), [r.summary() for r in backend.reports]
+    reports = backend.reports[first:]
+    assert len(reports) <= 3, [r.summary() for r in reports]
+    assert all(r.fused_calls == 1 for r in reports), [r.summary() for r in reports]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         _loss_and_grads(model, compiled, torch.randint(0, 96, (1, 77)))
+    assert len(backend.reports) == first + len(reports)  # a new length, no new graph
     names = {e.key for e in prof.key_averages()}
     assert {"qla::chunk_gdr_fwd", "qla::chunk_gdr_bwd"} <= names, sorted(n for n in names if "qla" in n)
-    total = sum(r.compile_seconds for r in backend.reports)
-    passes = sum(r.pass_seconds for r in backend.reports)
-    print(f"qla pass {passes:.3f} s of {total:.1f} s total compile over {len(backend.reports)} graphs")
+    total = sum(r.compile_seconds for r in reports)
+    passes = sum(r.pass_seconds for r in reports)
+    print(f"qla pass {passes:.3f} s of {total:.1f} s total compile over {len(reports)} graphs")
     assert passes < total
-
-
-def test_qwen3_next_trains_with_inductor():
-    model = tiny_qwen3_next()
-    frontdoor.register_substitutions()
-    backend = qb.backend
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend)
-    _assert_matches_eager(model, compiled, torch.randint(0, 96, (2, 90), generator=torch.Generator().manual_seed(1)))
-    assert backend.reports[-1].fused_calls == 1, backend.reports[-1].summary()
 
 
 @pytest.mark.parametrize("front_door", [True, False])
