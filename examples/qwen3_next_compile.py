@@ -8,9 +8,7 @@ import time
 import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-from qla_compile.backend import backend
-from qla_compile.explain import explain
-from qla_compile.passes.frontdoor import register_substitutions
+import qla_compile
 
 
 def tiny_model():
@@ -37,11 +35,11 @@ def step_seconds(fn, model, ids, repeats=3):
 
 def main():
     model = tiny_model()
-    register_substitutions()  # global to the process; before the first compile so dynamo traces our op
+    qla_compile.register_substitutions()  # global to the process; before the first compile so dynamo traces our op
     ids = torch.randint(0, 256, (2, 512))
-    print(explain(model, ids, use_cache=False))
+    print(qla_compile.explain(model, ids, use_cache=False))
 
-    compiled = torch.compile(model, backend=backend)
+    compiled = torch.compile(model, backend=qla_compile.backend)
     start = time.perf_counter()
     step_seconds(compiled, model, ids, repeats=1)
     print(f"first compiled step (compile included): {time.perf_counter() - start:.1f} s")
