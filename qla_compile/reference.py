@@ -175,8 +175,7 @@ class _Chunks:
     k: Tensor
     v: Tensor
     beta: Tensor
-    gam: Tensor  # in-chunk inclusive cumsum of g
-    Gam: Tensor  # exp(gam_i - gam_j) for i >= j, else 0
+    Gam: Tensor  # exp(gam_i - gam_j) for i >= j, else 0 (gam: in-chunk inclusive cumsum of g)
     Tt: Tensor  # gate-free inverse T~
     A: Tensor  # Gam * T~ * beta_j: the gated, beta-scaled inverse
     QK: Tensor  # q k^T
@@ -208,7 +207,7 @@ def _split_chunks(q, k, v, g, beta, scale: float) -> _Chunks:
     Tt = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
     QK = q @ k.mT
     return _Chunks(
-        q, k, v, beta, gam, Gam, Tt,
+        q, k, v, beta, Gam, Tt,
         A=Gam * Tt * beta[..., None, :],
         QK=QK,
         P=scale * Gam * QK,
