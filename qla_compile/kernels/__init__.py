@@ -21,7 +21,7 @@ torch ops before the kernels.
 
 import torch
 
-from . import gdr_fwd
+from . import fused_fwd, gdr_fwd
 from ._build import TARGET, cache_dir
 
 __all__ = ["hopper_supported", "chunk_gdr_fwd_hopper", "chunk_gdr_fwd_hopper_aux", "TARGET", "cache_dir"]
@@ -129,7 +129,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     block_dv = dv if n_seq * h_v >= _FULL_DV_MIN_CTAS else dv // 2
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
-    kernel = gdr_fwd.chunk_fwd(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=block_dv)
+    kernel = fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=block_dv)
     kernel(q3, k3, v3, tt, gb, cu, offsets, h0, float(scale), o, ht)
     return o.view(B, T, h_v, dv), ht, tt, gb, offsets
 

@@ -1,0 +1,218 @@
+"""Warp-specialised fused GDN forward on SM90 (chunk C = 64): the chunk loop of ``gdr_fwd.chunk_fwd``
+split over four warpgroups that hand work to each other through shared memory and mbarriers.
+
+One CTA per (sequence, v-head, DV slice), 512 threads, same inputs and outputs as ``gdr_fwd.chunk_fwd``
+(T~ and the gate cumsum come from ``gdr_fwd.kkt_inverse``). Per chunk i (notation of ``gdr_fwd``):
+
+* WG0 "state" holds S (fp32, registers). Publishes S_i to shared memory (input dtype), then
+  S <- e^{gamma_C} S + K^T (r o V').
+* WG1 "delta": A_g = Gamma o T~ o beta_col (in place over T~, before S_i is published), U0 = K S_i,
+  W' = V - e o U0, V' = A_g W'; hands r o V' to WG0 (the critical path) and V' to WG2.
+* WG2 "output": Q S_i first (it gates the next publication of S), then P_g = scale Gamma o Q K^T,
+  O = scale e o Q S_i + P_g V', stored straight from registers (masked rows in a partial chunk).
+* WG3 "producer": one warp TMA-loads q and k, one v, one T~ and [gamma; beta] into a two-stage ring.
+
+The chain that bounds one chunk is publish S -> K S -> W' -> A_g W' -> K^T (r o V'); everything else
+runs beside it. Rows of a partial chunk past the sequence end are loaded from the next sequence (or
+zero-filled past the tensor): they have beta = 0 and r = 0, so they reach neither V' of valid rows nor S,
+and their outputs are not stored. Precision as ``gdr_fwd.chunk_fwd``: fp16 T~, A_g, P_g, W', V', r o V'
+and K for the state update; the S copy in the input dtype; fp32 accumulators.
+"""
+
+import tilelang.language as T
+
+from ._build import compiled
+from .gdr_fwd import CHUNK
+
+# setmaxnreg per warpgroup (state, delta, output, producer): sums to 512 = 65536 registers / 128.
+_NREG = (200, 136, 152, 24)
+
+
+def _gamma(gb_s, st, a, b):
+    """Gamma_ab = exp(gamma_a - gamma_b) for b <= a, else 0: branch-free, one fast exp."""
+    return T.__exp(T.min(gb_s[st, 0, a] - gb_s[st, 0, b], T.float32(0))) * T.cast(b <= a, "float32")
+
+
+@compiled
+def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128):
+    """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, scale, o, ht)``."""
+    n_tok = T.dynamic("n_tok")
+    n_chunk = T.dynamic("n_chunk")
+    n_seq1 = T.dynamic("n_seq1")
+    n_h0 = T.dynamic("n_h0")
+    h_qk = T.dynamic("h_qk")
+    h_v = T.dynamic("h_v")
+    C, BV = CHUNK, block_dv
+    acc, half = "float32", "float16"
+    k_is_half = dtype == half
+
+    @T.prim_func
+    def kernel(
+        q: T.Tensor((n_tok, h_qk, dk), dtype),
+        k: T.Tensor((n_tok, h_qk, dk), dtype),
+        v: T.Tensor((n_tok, h_v, dv), dtype),
+        tt: T.Tensor((n_chunk, h_v, C, C), half),
+        gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+        cu_seqlens: T.Tensor((n_seq1,), "int32"),
+        chunk_offsets: T.Tensor((n_seq1,), "int32"),
+        h0: T.Tensor((n_h0, h_v, dk, dv), acc),
+        scale: T.float32,
+        o: T.Tensor((n_tok, h_v, dv), dtype),
+        ht: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
+    ):
+        with T.Kernel(n_seq1 - 1, h_v, dv // BV, threads=512) as (seq, hv, bv):
+            # two-stage input ring, filled by TMA
+            q_s = T.alloc_shared((2, C, dk), dtype)
+            k_s = T.alloc_shared((2, C, dk), dtype)
+            v_s = T.alloc_shared((2, C, BV), dtype)
+            tt_s = T.alloc_shared((2, C, C), half)  # T~, overwritten by A_g
+            gb_s = T.alloc_shared((2, 2, C), acc)  # [gamma; beta]
+            # hand-offs between warpgroups
+            s_s = T.alloc_shared((dk, BV), dtype)  # S_i
+            kh_s = T.alloc_shared((C, dk), half)  # K in fp16 for K^T (r o V')
+            w_s = T.alloc_shared((C, BV), half)  # W'
+            vr_s = T.alloc_shared((C, BV), half)  # r o V'
+            vp_s = T.alloc_shared((C, BV), half)  # V'
+            p_s = T.alloc_shared((C, C), half)  # P_g
+
+            full = T.alloc_barrier([96, 96])  # 3 producer warps + TMA bytes
+            empty = T.alloc_barrier([384, 384])  # every consumer thread
+            s_ready = T.alloc_barrier(128)  # WG0 published S_i
+            s_free = T.alloc_barrier(256)  # WG1 and WG2 have read S_i
+            vr_ready = T.alloc_barrier(128)  # WG1 wrote r o V'
+            vp_ready = T.alloc_barrier(128)  # WG1 wrote V'
+            vp_free = T.alloc_barrier(128)  # WG2 has read V'
+
+            hk = hv // (h_v // h_qk)
+            v0 = bv * BV
+            bos = cu_seqlens[seq]
+            seqlen = cu_seqlens[seq + 1] - bos
+            coff = chunk_offsets[seq]
+            n_iter = T.ceildiv(seqlen, C)
+            tx = T.get_thread_binding()
+
+            if tx < 128:  # WG0: the state
+                T.set_max_nreg(_NREG[0], 1)
+                s_f = T.alloc_fragment((dk, BV), acc)
+                decay = T.alloc_var(acc)
+                if has_h0:
+                    T.copy(h0[seq, hv, :, v0 : v0 + BV], s_f)
+                else:
+                    T.clear(s_f)
+                for i in T.serial(n_iter):
+                    st = i % 2
+                    T.barrier_wait(s_free, (i + 1) % 2)
+                    T.copy(s_f, s_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(s_ready)
+                    T.barrier_wait(full[st], (i // 2) % 2)
+                    if not k_is_half:
+                        for r, d in T.Parallel(C, dk):
+                            kh_s[r, d] = T.cast(k_s[st, r, d], half)
+                        T.fence_proxy_async()
+                    decay = T.__exp(gb_s[st, 0, C - 1])
+                    for a, b in T.Parallel(dk, BV):
+                        s_f[a, b] = s_f[a, b] * decay
+                    T.barrier_wait(vr_ready, i % 2)
+                    if k_is_half:
+                        T.gemm(k_s[st, :, :], vr_s, s_f, transpose_A=True)
+                    else:
+                        T.gemm(kh_s, vr_s, s_f, transpose_A=True)
+                    T.barrier_arrive(empty[st])
+                T.copy(s_f, ht[seq, hv, :, v0 : v0 + BV])
+
+            elif tx < 256:  # WG1: the delta rule
+                T.set_max_nreg(_NREG[1], 1)
+                u_f = T.alloc_fragment((C, BV), acc)
+                a_f = T.alloc_fragment((C, C), acc)
+                e_f = T.alloc_fragment((C,), acc)
+                r_f = T.alloc_fragment((C,), acc)
+                for i in T.serial(n_iter):
+                    st = i % 2
+                    length = T.min(seqlen - i * C, C)
+                    T.barrier_wait(full[st], (i // 2) % 2)
+                    T.copy(tt_s[st, :, :], a_f)
+                    for a, b in T.Parallel(C, C):
+                        a_f[a, b] = a_f[a, b] * _gamma(gb_s, st, a, b) * gb_s[st, 1, b]
+                    T.copy(a_f, tt_s[st, :, :])
+                    T.fence_proxy_async()
+                    for a in T.Parallel(C):
+                        e_f[a] = T.__exp(gb_s[st, 0, a])
+                        r_f[a] = T.__exp(gb_s[st, 0, C - 1] - gb_s[st, 0, a]) * T.cast(a < length, acc)
+                    T.barrier_wait(s_ready, i % 2)
+                    T.gemm(k_s[st, :, :], s_s, u_f, clear_accum=True)
+                    T.barrier_arrive(s_free)
+                    for a, b in T.Parallel(C, BV):
+                        w_s[a, b] = T.cast(T.cast(v_s[st, a, b], acc) - e_f[a] * u_f[a, b], half)
+                    T.fence_proxy_async()
+                    T.gemm(tt_s[st, :, :], w_s, u_f, clear_accum=True)
+                    for a, b in T.Parallel(C, BV):
+                        vr_s[a, b] = T.cast(r_f[a] * u_f[a, b], half)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(vr_ready)
+                    T.barrier_wait(vp_free, (i + 1) % 2)
+                    T.copy(u_f, vp_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(vp_ready)
+                    T.barrier_arrive(empty[st])
+
+            elif tx < 384:  # WG2: the output
+                T.set_max_nreg(_NREG[2], 1)
+                o_f = T.alloc_fragment((C, BV), acc)
+                p_f = T.alloc_fragment((C, C), acc)
+                eo_f = T.alloc_fragment((C,), acc)
+                for i in T.serial(n_iter):
+                    st = i % 2
+                    start = bos + i * C
+                    length = T.min(seqlen - i * C, C)
+                    T.barrier_wait(full[st], (i // 2) % 2)
+                    T.barrier_wait(s_ready, i % 2)
+                    T.gemm(q_s[st, :, :], s_s, o_f, clear_accum=True)
+                    T.barrier_arrive(s_free)
+                    T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                    for a, b in T.Parallel(C, C):
+                        p_s[a, b] = T.cast(p_f[a, b] * _gamma(gb_s, st, a, b) * scale, half)
+                    T.fence_proxy_async()
+                    for a in T.Parallel(C):
+                        eo_f[a] = T.__exp(gb_s[st, 0, a]) * scale
+                    for a, b in T.Parallel(C, BV):
+                        o_f[a, b] = o_f[a, b] * eo_f[a]
+                    T.barrier_wait(vp_ready, i % 2)
+                    T.gemm(p_s, vp_s, o_f)
+                    T.barrier_arrive(vp_free)
+                    T.barrier_arrive(empty[st])
+                    for a, b in T.Parallel(C, BV):
+                        if a < length:
+                            o[start + a, hv, v0 + b] = T.cast(o_f[a, b], dtype)
+
+            else:  # WG3: producer warps
+                T.set_max_nreg(_NREG[3], 0)
+                for i in T.serial(n_iter):
+                    st = i % 2
+                    start = bos + i * C
+                    if tx < 416:
+                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
+                        T.tma_copy(q[start : start + C, hk, :], q_s[st, :, :], barrier=full[st])
+                        T.tma_copy(k[start : start + C, hk, :], k_s[st, :, :], barrier=full[st])
+                        T.barrier_arrive(full[st])
+                    elif tx < 448:
+                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
+                        T.tma_copy(v[start : start + C, hv, v0 : v0 + BV], v_s[st, :, :], barrier=full[st])
+                        T.barrier_arrive(full[st])
+                    elif tx < 480:
+                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
+                        T.tma_copy(tt[coff + i, hv, :, :], tt_s[st, :, :], barrier=full[st])
+                        T.tma_copy(gb[coff + i, hv, :, :], gb_s[st, :, :], barrier=full[st])
+                        T.barrier_arrive(full[st])
+
+    return kernel
+
+
+def variants():
+    """``(kernel name, params)`` of every warp-specialised forward variant (K = V = 128)."""
+    return [
+        ("chunk_fwd_ws", dict(dk=128, dv=128, dtype=dtype, has_h0=has_h0, block_dv=block_dv))
+        for dtype in ("bfloat16", "float16")
+        for has_h0 in (True, False)
+        for block_dv in (128, 64)
+    ]
