@@ -1,8 +1,8 @@
-"""Warp-specialised fused GDN forward on SM90 (chunk C = 64): the chunk loop of ``gdr_fwd.chunk_fwd``
-split over four warpgroups that hand work to each other through shared memory and mbarriers.
+"""Warp-specialised fused GDN forward on SM90 (chunk C = 64): the chunk recurrence, split over four
+warpgroups that hand work to each other through shared memory and mbarriers.
 
-One CTA per (sequence, v-head, DV slice), 512 threads, same inputs and outputs as ``gdr_fwd.chunk_fwd``
-(T~ and the gate cumsum come from ``gdr_fwd.kkt_inverse``). Per chunk i (notation of ``gdr_fwd``):
+One CTA per (sequence, v-head, DV slice), 512 threads, looping over the sequence's chunks; T~ and the
+gate cumsum come from ``gdr_fwd.kkt_inverse`` (notation and chunk numbering there). Per chunk i:
 
 * WG0 "state" holds S (fp32, registers). Publishes S_i to shared memory (input dtype), then
   S <- e^{gamma_C} S + K^T (r o V').
@@ -12,11 +12,13 @@ One CTA per (sequence, v-head, DV slice), 512 threads, same inputs and outputs a
   O = scale e o Q S_i + P_g V', stored straight from registers (masked rows in a partial chunk).
 * WG3 "producer": one warp TMA-loads q and k, one v, one T~ and [gamma; beta] into a two-stage ring.
 
-The chain that bounds one chunk is publish S -> K S -> W' -> A_g W' -> K^T (r o V'); everything else
-runs beside it. Rows of a partial chunk past the sequence end are loaded from the next sequence (or
+The state chain per chunk is publish S -> K S -> W' -> A_g W' -> K^T (r o V'); the rest runs beside it.
+Measured on an H200 (``bench/NOTES-fwd.md``), the three consumer warpgroups are about equally busy: the
+elementwise work each does per chunk, not the tensor cores, sets the time per chunk. Rows of a partial chunk past the sequence end are loaded from the next sequence (or
 zero-filled past the tensor): they have beta = 0 and r = 0, so they reach neither V' of valid rows nor S,
-and their outputs are not stored. Precision as ``gdr_fwd.chunk_fwd``: fp16 T~, A_g, P_g, W', V', r o V'
-and K for the state update; the S copy in the input dtype; fp32 accumulators.
+and their outputs are not stored. Precision (chosen with a CPU emulation of every rounding point against
+the float64 oracle, see ``bench/NOTES-fwd.md``): fp16 T~, A_g, P_g, W', V', r o V' and K for the state
+update; the S copy in the input dtype; fp32 accumulators and gate tables.
 """
 
 import tilelang.language as T
