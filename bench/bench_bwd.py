@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import make_inputs, parse_seqs, time_graph  # noqa: E402
+from bench.common import make_inputs, parse_seqs, time_graph, versions  # noqa: E402
 
 HEADS = [(2, 8), (4, 16), (8, 32), (16, 32), (16, 64)]
 SEQS = ["1x32768", "1x8192", "1x2048", "28672+4096", "8192x4", "1024x8"]
@@ -113,7 +113,8 @@ def main():
     date = datetime.date.today().isoformat()
     with open(os.path.join(args.out, f"{date}-bwd.md"), "w") as f:
         f.write(f"# fwd+bwd, {torch.cuda.get_device_name()}, {date}\n\nCUDA-graph medians (ms); ratios are "
-                "baseline time / qla time.\n\n" + text + "\n")
+                "baseline time / qla time.\n\nVersions: " + ", ".join(f"{k} {v}" for k, v in versions().items())
+                + "\n\n" + text + "\n")
 
 
 if __name__ == "__main__":

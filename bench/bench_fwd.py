@@ -23,7 +23,7 @@ os.environ.setdefault("FLA_FLASH_QLA", "0")  # FLA's own Triton path, not its Fl
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import make_inputs, parse_seqs, rel_l2, time_graph  # noqa: E402
+from bench.common import make_inputs, parse_seqs, rel_l2, time_graph, versions  # noqa: E402
 
 HEADS = [(2, 8), (4, 16), (8, 32), (16, 32), (16, 64)]
 SEQS = ["1x32768", "1x8192", "1x2048", "28672+4096", "8192x4", "1024x8"]
@@ -95,16 +95,6 @@ def oracle_prefix(x, o):
     ref, _ = recurrent_gdr_reference(x["q"][:, :n], x["k"][:, :n], x["v"][:, :n], x["g"][:, :n], x["beta"][:, :n],
                                      x["scale"], x["h0"][:1])
     return rel_l2(o[:, :n], ref)
-
-
-def versions():
-    out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
-    for mod in ("tilelang", "fla", "flash_qla", "flashinfer", "triton"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - a peer that does not import is reported as missing
-            out[mod] = "missing"
-    return out
 
 
 def main():

@@ -63,3 +63,14 @@ def time_graph(fn, reps=20, rounds=5):
 def rel_l2(x, ref):
     x, ref = x.double(), ref.double()
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def versions():
+    """Versions of torch, the GPU and every implementation, for the results files."""
+    out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    for mod in ("tilelang", "fla", "flash_qla", "flashinfer", "triton"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - a peer that does not import is reported as missing
+            out[mod] = "missing"
+    return out
