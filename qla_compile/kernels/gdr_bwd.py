@@ -9,16 +9,27 @@ Pipeline (one packed token stream, chunks numbered globally as in ``gdr_fwd``):
 
 1. ``gdr_fwd.kkt_inverse`` -- T~ per chunk (the forward's kernel, reused).
 2. :func:`chunk_states` -- one CTA per (sequence, v-head, DV slice) runs the state recurrence and
-   stores every chunk-start state S in the input dtype, ``h[chunk, H_v, K, V]``.
+   stores every chunk-start state S in fp16, ``h[chunk, H_v, K, V]``.
 3. :func:`chunk_dstates` -- one CTA per (sequence, v-head, DV slice) runs the reverse recurrence of
-   dS (fp32 in registers), storing each chunk's incoming dS' as ``dh`` (input dtype), and dh0.
+   dS (fp32 in registers), storing each chunk's incoming dS' as ``dh`` (input dtype), dh0, and the
+   row sums of dS' o S (fp32 dS' times the fp16 h) that dg's gamma_C term needs.
 4. :func:`chunk_grads` -- one CTA per (chunk, v-head), all chunks in parallel: dq, dk (per v-head,
    fp32), dv, dg and dbeta from q, k, v, dO, T~, S and dS'.
 5. On the host: dq, dk summed over each GVA group.
 
 dg is formed without cancellation, as in the reference: dg_t = sum_{s>=t} de_s + sum_{s<t} dr_s
 + a <dS', S> + sum_{s>=t, j<t} Y_sj with Y = dP o P_g + dA o A_g, all in fp32.
-GEMM operands are in the input dtype (bf16 keeps dO-sized values in range); accumulators fp32.
+
+Precision.  Accumulators are fp32.  The state recurrence (:func:`chunk_states`) runs with fp16 GEMM
+operands (K, S, A_g, W', r o V') as the forward does: they are bounded by the scale of v (the forward
+already keeps W' = V - e o K S in fp16) and fp16 has 3 more mantissa bits than bf16; h is stored in
+fp16.  GEMMs with a gradient operand (dO, dS', dV', dU0, dT~, ...) stay in the input dtype, so that in
+bf16 dO-sized values keep their range; :func:`chunk_grads` also keeps K S in the input dtype (its
+shared memory is full).  The <dS', S> term of dg is summed in :func:`chunk_dstates` from the fp32 dS'.
+dg of a no-decay head is what this is for: it is made of inner products of S and dS', so it carries
+the relative error of both.  (FP64 emulation of the bf16 GPU test case with GVA, L2 norm and h0, 200
+draws: dg's relative error RMS 5.9e-3 -> 4.4e-3 and draws above 1e-2 9.5% -> 2%; the bf16 rounding of
+the L2-normalised q, k before the kernels alone gives 2.3e-3 RMS.)
 """
 
 import torch
@@ -35,7 +46,10 @@ _FULL_DV_MIN_CTAS = 88
 
 @compiled
 def chunk_states(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128, threads: int = 256):
-    """Chunk-start states ``h[chunk, hv] = S`` (input dtype) of the forward recurrence."""
+    """Chunk-start states ``h[chunk, hv] = S`` (fp16) of the forward recurrence.
+
+    All GEMM operands are fp16 (K converted from the input dtype, S, A_g, W', r o V').
+    """
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
@@ -44,6 +58,7 @@ def chunk_states(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     h_v = T.dynamic("h_v")
     C = CHUNK
     acc = "float32"
+    half = "float16"
 
     @T.prim_func
     def kernel(
@@ -51,24 +66,25 @@ def chunk_states(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
         v: T.Tensor((n_tok, h_v, dv), dtype),
         g: T.Tensor((h_v, n_tok), acc),
         beta: T.Tensor((h_v, n_tok), acc),
-        tt: T.Tensor((n_chunk, h_v, C, C), "float16"),
+        tt: T.Tensor((n_chunk, h_v, C, C), half),
         cu_seqlens: T.Tensor((n_seq1,), "int32"),
         chunk_offsets: T.Tensor((n_seq1,), "int32"),
         h0: T.Tensor((n_h0, h_v, dk, dv), acc),
-        h: T.Tensor((n_chunk, h_v, dk, dv), dtype),
+        h: T.Tensor((n_chunk, h_v, dk, dv), half),
     ):
         with T.Kernel(n_seq1 - 1, h_v, dv // block_dv, threads=threads) as (seq, hv, bv):
             k_s = T.alloc_shared((C, dk), dtype)
+            kh_s = T.alloc_shared((C, dk), half)
             v_s = T.alloc_shared((C, block_dv), dtype)
-            tt_s = T.alloc_shared((C, C), "float16")
+            tt_s = T.alloc_shared((C, C), half)
             g_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
             gam_s = T.alloc_shared((C,), acc)
             e_s = T.alloc_shared((C,), acc)
             r_s = T.alloc_shared((C,), acc)
-            s_s = T.alloc_shared((dk, block_dv), dtype)
-            a_s = T.alloc_shared((C, C), dtype)
-            w_s = T.alloc_shared((C, block_dv), dtype)
+            s_s = T.alloc_shared((dk, block_dv), half)
+            a_s = T.alloc_shared((C, C), half)
+            w_s = T.alloc_shared((C, block_dv), half)
             s_f = T.alloc_fragment((dk, block_dv), acc)
             u_f = T.alloc_fragment((C, block_dv), acc)
 
@@ -89,9 +105,10 @@ def chunk_states(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                 T.copy(tt[coff + ci, hv, :, :], tt_s)
                 T.copy(g[hv, start : start + C], g_s)
                 T.copy(beta[hv, start : start + C], b_s)
-                if length < C:  # rows past the sequence's end are zero
-                    for i, d in T.Parallel(C, dk):
-                        k_s[i, d] = T.if_then_else(i < length, k_s[i, d], T.cast(0, dtype))
+                # K in fp16 for the GEMMs (rows past the sequence's end are zero)
+                for i, d in T.Parallel(C, dk):
+                    kh_s[i, d] = T.if_then_else(i < length, T.cast(k_s[i, d], half), T.cast(0, half))
+                if length < C:
                     for i, d in T.Parallel(C, block_dv):
                         v_s[i, d] = T.if_then_else(i < length, v_s[i, d], T.cast(0, dtype))
                 for i in T.Parallel(C):
@@ -105,17 +122,17 @@ def chunk_states(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                 T.copy(s_s, h[coff + ci, hv, :, v0 : v0 + block_dv])
                 for i, j in T.Parallel(C, C):
                     gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
-                    a_s[i, j] = T.cast(gm * T.cast(tt_s[i, j], acc) * b_s[j], dtype)
+                    a_s[i, j] = T.cast(gm * T.cast(tt_s[i, j], acc) * b_s[j], half)
                 # W' = V - e o K S;  V' = A_g W';  S = a S + K^T (r o V')
-                T.gemm(k_s, s_s, u_f, clear_accum=True)
+                T.gemm(kh_s, s_s, u_f, clear_accum=True)
                 for i, d in T.Parallel(C, block_dv):
-                    w_s[i, d] = T.cast(T.cast(v_s[i, d], acc) - e_s[i] * u_f[i, d], dtype)
+                    w_s[i, d] = T.cast(T.cast(v_s[i, d], acc) - e_s[i] * u_f[i, d], half)
                 T.gemm(a_s, w_s, u_f, clear_accum=True)
                 for i, d in T.Parallel(C, block_dv):
-                    w_s[i, d] = T.cast(r_s[i] * u_f[i, d], dtype)
+                    w_s[i, d] = T.cast(r_s[i] * u_f[i, d], half)
                 for a, b in T.Parallel(dk, block_dv):
                     s_f[a, b] = s_f[a, b] * e_s[C - 1]
-                T.gemm(k_s, w_s, s_f, transpose_A=True)
+                T.gemm(kh_s, w_s, s_f, transpose_A=True)
 
     return kernel
 
@@ -128,6 +145,9 @@ def chunk_dstates(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, 
     Stores each chunk's incoming dS' (input dtype) in ``dh[chunk, hv]`` and dh0 (fp32) when asked.
     dU0 = -e o A_g^T (r o K dS' + P_g^T dO) is the only state-dependent term, so the chain per chunk
     is three GEMMs on the state plus two off it.
+    Also ``sd[chunk, hv, bv, :]``: the row sums over this DV slice of dS' o S, with dS' in fp32 and S
+    from ``h`` (fp16), i.e. dg's <dS', S> term without the bf16 rounding of ``dh`` (slot 1 is zero when
+    V is not split).
     """
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
@@ -137,6 +157,7 @@ def chunk_dstates(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, 
     h_v = T.dynamic("h_v")
     C = CHUNK
     acc = "float32"
+    assert dv // block_dv <= 2, "sd has two DV-slice slots"
 
     @T.prim_func
     def kernel(
@@ -146,17 +167,20 @@ def chunk_dstates(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, 
         g: T.Tensor((h_v, n_tok), acc),
         beta: T.Tensor((h_v, n_tok), acc),
         tt: T.Tensor((n_chunk, h_v, C, C), "float16"),
+        h: T.Tensor((n_chunk, h_v, dk, dv), "float16"),
         cu_seqlens: T.Tensor((n_seq1,), "int32"),
         chunk_offsets: T.Tensor((n_seq1,), "int32"),
         dht: T.Tensor((n_dht, h_v, dk, dv), acc),
         scale: T.float32,
         dh: T.Tensor((n_chunk, h_v, dk, dv), dtype),
         dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
+        sd: T.Tensor((n_chunk, h_v, 2, dk), acc),
     ):
         with T.Kernel(n_seq1 - 1, h_v, dv // block_dv, threads=threads) as (seq, hv, bv):
             q_s = T.alloc_shared((C, dk), dtype)
             k_s = T.alloc_shared((C, dk), dtype)
             do_s = T.alloc_shared((C, block_dv), dtype)
+            h_s = T.alloc_shared((dk, block_dv), "float16")
             g_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
             gam_s = T.alloc_shared((C,), acc)
@@ -170,6 +194,8 @@ def chunk_dstates(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, 
             ds_f = T.alloc_fragment((dk, block_dv), acc)
             u_f = T.alloc_fragment((C, block_dv), acc)
             p_f = T.alloc_fragment((C, C), acc)
+            sq_f = T.alloc_fragment((dk, block_dv), acc)
+            sd_f = T.alloc_fragment((dk,), acc)
 
             hk = hv // (h_v // h_qk)
             v0 = bv * block_dv
@@ -189,6 +215,7 @@ def chunk_dstates(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, 
                 T.copy(q[start : start + C, hk, :], q_s)
                 T.copy(k[start : start + C, hk, :], k_s)
                 T.copy(do[start : start + C, hv, v0 : v0 + block_dv], do_s)
+                T.copy(h[coff + ci, hv, :, v0 : v0 + block_dv], h_s)
                 T.copy(g[hv, start : start + C], g_s)
                 T.copy(beta[hv, start : start + C], b_s)
                 if length < C:  # rows past the sequence's end are zero
@@ -206,6 +233,14 @@ def chunk_dstates(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, 
                     r_s[i] = T.exp2((gam_s[C - 1] - gam_s[i]) * _LOG2E)
                 T.copy(ds_f, ds_s)
                 T.copy(ds_s, dh[coff + ci, hv, :, v0 : v0 + block_dv])
+                # <dS', S> row sums with the fp32 dS' (dg's gamma_C term)
+                for a, b in T.Parallel(dk, block_dv):
+                    sq_f[a, b] = ds_f[a, b] * T.cast(h_s[a, b], acc)
+                T.reduce_sum(sq_f, sd_f, dim=1)
+                T.copy(sd_f, sd[coff + ci, hv, bv, :])
+                if block_dv == dv:
+                    for a in T.Parallel(dk):
+                        sd[coff + ci, hv, 1, a] = T.float32(0)
                 T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
@@ -255,8 +290,9 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
         g: T.Tensor((h_v, n_tok), acc),
         beta: T.Tensor((h_v, n_tok), acc),
         tt: T.Tensor((n_chunk, h_v, C, C), "float16"),
-        h: T.Tensor((n_chunk, h_v, dk, dv), dtype),
+        h: T.Tensor((n_chunk, h_v, dk, dv), "float16"),
         dh: T.Tensor((n_chunk, h_v, dk, dv), dtype),
+        sd: T.Tensor((n_chunk, h_v, 2, dk), acc),
         cu_seqlens: T.Tensor((n_seq1,), "int32"),
         chunk_offsets: T.Tensor((n_seq1,), "int32"),
         scale: T.float32,
@@ -271,7 +307,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             k_s = T.alloc_shared((C, dk), dtype)
             v_s = T.alloc_shared((C, dv), dtype)  # V, then e o U0, then dU0
             do_s = T.alloc_shared((C, dv), dtype)
-            s_s = T.alloc_shared((dk, dv), dtype)  # S
+            s_s = T.alloc_shared((dk, dv), dtype)  # S (from the fp16 h)
             ds_s = T.alloc_shared((dk, dv), dtype)  # dS'
             w_s = T.alloc_shared((C, dv), dtype)  # W'
             vn_s = T.alloc_shared((C, dv), dtype)
@@ -290,8 +326,6 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             db_s = T.alloc_shared((C,), acc)
             db2_s = T.alloc_shared((C,), acc)
             sd_s = T.alloc_shared((dk,), acc)
-            sq_f = T.alloc_fragment((dk, dv), acc)
-            sd_f = T.alloc_fragment((dk,), acc)
             b1_f = T.alloc_fragment((C, dv), acc)
             b2_f = T.alloc_fragment((C, dv), acc)
             dk_f = T.alloc_fragment((C, dk), acc)
@@ -342,11 +376,9 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                 for i in T.Parallel(C):
                     e_s[i] = T.exp2(gam_s[i] * _LOG2E)
                     r_s[i] = T.exp2((gam_s[C - 1] - gam_s[i]) * _LOG2E)
-                # <dS', S> row sums for the gamma_C term
-                for a, b in T.Parallel(dk, dv):
-                    sq_f[a, b] = T.cast(ds_s[a, b], acc) * T.cast(s_s[a, b], acc)
-                T.reduce_sum(sq_f, sd_f, dim=1)
-                T.copy(sd_f, sd_s)
+                # <dS', S> row sums for the gamma_C term (from chunk_dstates, both DV slices)
+                for a in T.Parallel(dk):
+                    sd_s[a] = sd[chunk, hv, 0, a] + sd[chunk, hv, 1, a]
                 # P_g = scale Gamma o Q K^T and A_g = Gamma o T~ o beta_col
                 T.gemm(q_s, k_s, s1_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
@@ -495,24 +527,25 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty(1, h_v, dk, dv, device=dev)
     block_dv = dv if n_seq * h_v >= _FULL_DV_MIN_CTAS else dv // 2
-    h = torch.empty(n_slots, h_v, dk, dv, device=dev, dtype=q.dtype)
+    h = torch.empty(n_slots, h_v, dk, dv, device=dev, dtype=torch.float16)
     chunk_states(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=block_dv)(k3, v3, g2, b2, tt, cu, offsets, h0, h)
 
+    f32 = dict(device=dev, dtype=torch.float32)
     has_dht = dht is not None
     dht_ = dht.to(torch.float32).contiguous() if has_dht else torch.empty(1, h_v, dk, dv, device=dev)
     dh = torch.empty(n_slots, h_v, dk, dv, device=dev, dtype=q.dtype)
-    dh0 = torch.empty(n_seq, h_v, dk, dv, device=dev, dtype=torch.float32)
+    dh0 = torch.empty(n_seq, h_v, dk, dv, **f32)
+    sd = torch.empty(n_slots, h_v, 2, dk, **f32)
     chunk_dstates(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
-        q3, k3, do3, g2, b2, tt, cu, offsets, dht_, float(scale), dh, dh0)
+        q3, k3, do3, g2, b2, tt, h, cu, offsets, dht_, float(scale), dh, dh0, sd)
 
-    f32 = dict(device=dev, dtype=torch.float32)
     # dq, dk per v-head: rows past cu_seqlens[-1] stay unwritten and are zeroed after the group sum.
     dq = torch.empty(n_tok, h_v, dk, **f32)
     dkh = torch.empty(n_tok, h_v, dk, **f32)
     dvo = torch.zeros_like(v3)
     dg = torch.zeros(h_v, n_tok, **f32)
     db = torch.zeros(h_v, n_tok, **f32)
-    chunk_grads(dk=dk, dv=dv, dtype=dtype)(q3, k3, v3, do3, g2, b2, tt, h, dh, cu, offsets, float(scale),
+    chunk_grads(dk=dk, dv=dv, dtype=dtype)(q3, k3, v3, do3, g2, b2, tt, h, dh, sd, cu, offsets, float(scale),
                                            dq, dkh, dvo, dg, db)
 
     groups = h_v // h_qk
