@@ -7,6 +7,8 @@ Entry points, called by ``qla_compile.ops`` on SM90 CUDA tensors:
 * :func:`chunk_gdr_fwd_hopper_aux` -- ``(o, final_state, tt, gb, chunk_offsets)``, also returning the
   gate-free inverse T~ and the per-chunk gate cumsum for a backward pass.
 
+The forward is two kernels: ``gdr_fwd.kkt_inverse`` (gate cumsum and the gate-free inverse T~, all
+chunks in parallel) and ``fused_fwd.chunk_fwd_ws`` (the warp-specialised chunk recurrence).
 One compile per (K, V, dtype, initial state or not, V split or not) serves every head count, length
 and batch layout:
 a dense ``[B, T]`` batch runs as one packed sequence with ``cu_seqlens = [0, T, 2T, ...]``.
