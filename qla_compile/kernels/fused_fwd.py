@@ -27,12 +27,35 @@ from ._build import compiled
 from .gdr_fwd import CHUNK
 
 # setmaxnreg per warpgroup (state, delta, output, producer): sums to 512 = 65536 registers / 128.
-_NREG = (200, 136, 152, 24)
+_NREG = (200, 128, 160, 24)
+_LOG2E = 1.4426950408889634
+# ex2 / lg2 on the SFU with denormals flushed: one instruction each (the non-ftz forms add range fix-ups).
+_PTX = r"""
+__device__ __forceinline__ float qla_ex2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+__device__ __forceinline__ float qla_lg2(float x) { float y; asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+"""
 
 
-def _gamma(gb_s, st, a, b):
-    """Gamma_ab = exp(gamma_a - gamma_b) for b <= a, else 0: branch-free, one fast exp."""
-    return T.__exp(T.min(gb_s[st, 0, a] - gb_s[st, 0, b], T.float32(0))) * T.cast(b <= a, "float32")
+def _ex2(x):
+    return T.call_extern("float32", "qla_ex2", x)
+
+
+def _lg2(x):
+    return T.call_extern("float32", "qla_lg2", x)
+
+
+def _exp(x):
+    return _ex2(x * _LOG2E)
+
+
+def _gamma_times(gb_s, st, a, b, row_log2=0.0, col_log2=0.0):
+    """Gamma_ab 2^(row_log2 + col_log2) for b <= a, else 0, as one ex2 (of -1e30: 0).
+
+    Grouped so that the row and column terms are computed once per thread and reused for every element
+    (the mask is added, not selected around the loads, which would keep them from being shared).
+    """
+    x = (gb_s[st, 0, a] * _LOG2E + row_log2) - (gb_s[st, 0, b] * _LOG2E - col_log2)
+    return _ex2(x + T.Select(b <= a, T.float32(0), T.float32(-1e30)))
 
 
 @compiled
@@ -63,6 +86,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
         ht: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
     ):
         with T.Kernel(n_seq1 - 1, h_v, dv // BV, threads=512) as (seq, hv, bv):
+            T.import_source(_PTX)
             # two-stage input ring, filled by TMA
             q_s = T.alloc_shared((2, C, dk), dtype)
             k_s = T.alloc_shared((2, C, dk), dtype)
@@ -112,7 +136,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                         for r, d in T.Parallel(C, dk):
                             kh_s[r, d] = T.cast(k_s[st, r, d], half)
                         T.fence_proxy_async()
-                    decay = T.__exp(gb_s[st, 0, C - 1])
+                    decay = _exp(gb_s[st, 0, C - 1])
                     for a, b in T.Parallel(dk, BV):
                         s_f[a, b] = s_f[a, b] * decay
                     T.barrier_wait(vr_ready, i % 2)
@@ -135,12 +159,12 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     T.barrier_wait(full[st], (i // 2) % 2)
                     T.copy(tt_s[st, :, :], a_f)
                     for a, b in T.Parallel(C, C):
-                        a_f[a, b] = a_f[a, b] * _gamma(gb_s, st, a, b) * gb_s[st, 1, b]
+                        a_f[a, b] = a_f[a, b] * _gamma_times(gb_s, st, a, b, col_log2=_lg2(gb_s[st, 1, b]))
                     T.copy(a_f, tt_s[st, :, :])
                     T.fence_proxy_async()
                     for a in T.Parallel(C):
-                        e_f[a] = T.__exp(gb_s[st, 0, a])
-                        r_f[a] = T.__exp(gb_s[st, 0, C - 1] - gb_s[st, 0, a]) * T.cast(a < length, acc)
+                        e_f[a] = _exp(gb_s[st, 0, a])
+                        r_f[a] = _exp(gb_s[st, 0, C - 1] - gb_s[st, 0, a]) * T.cast(a < length, acc)
                     T.barrier_wait(s_ready, i % 2)
                     T.gemm(k_s[st, :, :], s_s, u_f, clear_accum=True)
                     T.barrier_arrive(s_free)
@@ -163,29 +187,40 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                 o_f = T.alloc_fragment((C, BV), acc)
                 p_f = T.alloc_fragment((C, C), acc)
                 eo_f = T.alloc_fragment((C,), acc)
+                log2_scale = _lg2(scale)
                 for i in T.serial(n_iter):
                     st = i % 2
                     start = bos + i * C
                     length = T.min(seqlen - i * C, C)
                     T.barrier_wait(full[st], (i // 2) % 2)
+                    T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
                     T.barrier_wait(s_ready, i % 2)
-                    T.gemm(q_s[st, :, :], s_s, o_f, clear_accum=True)
-                    T.barrier_arrive(s_free)
-                    T.gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(q_s[st, :, :], s_s, o_f, clear_accum=True)
+                    T.wait_wgmma(1)
                     for a, b in T.Parallel(C, C):
-                        p_s[a, b] = T.cast(p_f[a, b] * _gamma(gb_s, st, a, b) * scale, half)
+                        p_f[a, b] = p_f[a, b] * _gamma_times(gb_s, st, a, b, row_log2=log2_scale)
+                    T.copy(p_f, p_s)
                     T.fence_proxy_async()
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(s_free)
                     for a in T.Parallel(C):
-                        eo_f[a] = T.__exp(gb_s[st, 0, a]) * scale
+                        eo_f[a] = _exp(gb_s[st, 0, a]) * scale
                     for a, b in T.Parallel(C, BV):
                         o_f[a, b] = o_f[a, b] * eo_f[a]
                     T.barrier_wait(vp_ready, i % 2)
                     T.gemm(p_s, vp_s, o_f)
                     T.barrier_arrive(vp_free)
+                    # O is staged over this chunk's Q (dead now) and stored by rows, 16 bytes per access
+                    T.copy(o_f, q_s[st, :, 0:BV])
+                    T.fence_proxy_async()
+                    if length == C:
+                        T.copy(q_s[st, :, 0:BV], o[start : start + C, hv, v0 : v0 + BV])
+                    else:
+                        for a, b in T.Parallel(C, BV):
+                            if a < length:
+                                o[start + a, hv, v0 + b] = q_s[st, a, b]
+                        T.fence_proxy_async()
                     T.barrier_arrive(empty[st])
-                    for a, b in T.Parallel(C, BV):
-                        if a < length:
-                            o[start + a, hv, v0 + b] = T.cast(o_f[a, b], dtype)
 
             else:  # WG3: producer warps
                 T.set_max_nreg(_NREG[3], 0)
