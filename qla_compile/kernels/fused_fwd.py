@@ -27,7 +27,7 @@ from ._build import compiled
 from .gdr_fwd import CHUNK
 
 # setmaxnreg per warpgroup (state, delta, output, producer): sums to 512 = 65536 registers / 128.
-_NREG = (200, 128, 160, 24)
+_NREG = (192, 136, 160, 24)
 _LOG2E = 1.4426950408889634
 # ex2 / lg2 on the SFU with denormals flushed: one instruction each (the non-ftz forms add range fix-ups).
 _PTX = r"""
@@ -69,7 +69,6 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     h_v = T.dynamic("h_v")
     C, BV = CHUNK, block_dv
     acc, half = "float32", "float16"
-    k_is_half = dtype == half
 
     @T.prim_func
     def kernel(
@@ -95,18 +94,17 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             gb_s = T.alloc_shared((2, 2, C), acc)  # [gamma; beta]
             # hand-offs between warpgroups
             s_s = T.alloc_shared((dk, BV), dtype)  # S_i
-            kh_s = T.alloc_shared((C, dk), half)  # K in fp16 for K^T (r o V')
+            kh_s = T.alloc_shared((C, dk), half)  # r o K in fp16 for (r o K)^T V'
             w_s = T.alloc_shared((C, BV), half)  # W'
-            vr_s = T.alloc_shared((C, BV), half)  # r o V'
             vp_s = T.alloc_shared((C, BV), half)  # V'
             p_s = T.alloc_shared((C, C), half)  # P_g
+            rk_s = T.alloc_shared((C,), acc)  # r, 0 past the sequence end
 
             full = T.alloc_barrier([96, 96])  # 3 producer warps + TMA bytes
             empty = T.alloc_barrier([384, 384])  # every consumer thread
             s_ready = T.alloc_barrier(128)  # WG0 published S_i
             s_free = T.alloc_barrier(256)  # WG1 and WG2 have read S_i
-            vr_ready = T.alloc_barrier(128)  # WG1 wrote r o V'
-            vp_ready = T.alloc_barrier(128)  # WG1 wrote V'
+            vp_ready = T.alloc_barrier(128)  # WG1 wrote V' (WG0 and WG2 wait)
             vp_free = T.alloc_barrier(128)  # WG2 has read V'
 
             hk = hv // (h_v // h_qk)
@@ -127,23 +125,22 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     T.clear(s_f)
                 for i in T.serial(n_iter):
                     st = i % 2
+                    length = T.min(seqlen - i * C, C)
                     T.barrier_wait(s_free, (i + 1) % 2)
                     T.copy(s_f, s_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(s_ready)
                     T.barrier_wait(full[st], (i // 2) % 2)
-                    if not k_is_half:
-                        for r, d in T.Parallel(C, dk):
-                            kh_s[r, d] = T.cast(k_s[st, r, d], half)
-                        T.fence_proxy_async()
+                    for r in T.Parallel(C):
+                        rk_s[r] = _exp(gb_s[st, 0, C - 1] - gb_s[st, 0, r]) * T.cast(r < length, acc)
+                    for r, d in T.Parallel(C, dk):
+                        kh_s[r, d] = T.cast(T.cast(k_s[st, r, d], acc) * rk_s[r], half)
+                    T.fence_proxy_async()
                     decay = _exp(gb_s[st, 0, C - 1])
                     for a, b in T.Parallel(dk, BV):
                         s_f[a, b] = s_f[a, b] * decay
-                    T.barrier_wait(vr_ready, i % 2)
-                    if k_is_half:
-                        T.gemm(k_s[st, :, :], vr_s, s_f, transpose_A=True)
-                    else:
-                        T.gemm(kh_s, vr_s, s_f, transpose_A=True)
+                    T.barrier_wait(vp_ready, i % 2)
+                    T.gemm(kh_s, vp_s, s_f, transpose_A=True)
                     T.barrier_arrive(empty[st])
                 T.copy(s_f, ht[seq, hv, :, v0 : v0 + BV])
 
@@ -152,10 +149,8 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                 u_f = T.alloc_fragment((C, BV), acc)
                 a_f = T.alloc_fragment((C, C), acc)
                 e_f = T.alloc_fragment((C,), acc)
-                r_f = T.alloc_fragment((C,), acc)
                 for i in T.serial(n_iter):
                     st = i % 2
-                    length = T.min(seqlen - i * C, C)
                     T.barrier_wait(full[st], (i // 2) % 2)
                     T.copy(tt_s[st, :, :], a_f)
                     for a, b in T.Parallel(C, C):
@@ -164,18 +159,15 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     T.fence_proxy_async()
                     for a in T.Parallel(C):
                         e_f[a] = _exp(gb_s[st, 0, a])
-                        r_f[a] = _exp(gb_s[st, 0, C - 1] - gb_s[st, 0, a]) * T.cast(a < length, acc)
                     T.barrier_wait(s_ready, i % 2)
                     T.gemm(k_s[st, :, :], s_s, u_f, clear_accum=True)
                     T.barrier_arrive(s_free)
                     for a, b in T.Parallel(C, BV):
-                        w_s[a, b] = T.cast(T.cast(v_s[st, a, b], acc) - e_f[a] * u_f[a, b], half)
+                        u_f[a, b] = T.cast(v_s[st, a, b], acc) - e_f[a] * u_f[a, b]
+                    T.copy(u_f, w_s)
                     T.fence_proxy_async()
                     T.gemm(tt_s[st, :, :], w_s, u_f, clear_accum=True)
-                    for a, b in T.Parallel(C, BV):
-                        vr_s[a, b] = T.cast(r_f[a] * u_f[a, b], half)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(vr_ready)
+                    # WG0 has read the previous V' (before publishing the S this chunk's K S used); WG2 says so
                     T.barrier_wait(vp_free, (i + 1) % 2)
                     T.copy(u_f, vp_s)
                     T.fence_proxy_async()
