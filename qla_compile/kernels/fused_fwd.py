@@ -4,21 +4,25 @@ warpgroups that hand work to each other through shared memory and mbarriers.
 One CTA per (sequence, v-head, DV slice), 512 threads, looping over the sequence's chunks; T~ and the
 gate cumsum come from ``gdr_fwd.kkt_inverse`` (notation and chunk numbering there). Per chunk i:
 
-* WG0 "state" holds S (fp32, registers). Publishes S_i to shared memory (input dtype), then
-  S <- e^{gamma_C} S + K^T (r o V').
+* WG0 "state" holds S (fp32, registers). Publishes S_i to shared memory (input dtype), builds r o K in
+  fp16, then S <- e^{gamma_C} S + (r o K)^T V'.
 * WG1 "delta": A_g = Gamma o T~ o beta_col (in place over T~, before S_i is published), U0 = K S_i,
-  W' = V - e o U0, V' = A_g W'; hands r o V' to WG0 (the critical path) and V' to WG2.
-* WG2 "output": Q S_i first (it gates the next publication of S), then P_g = scale Gamma o Q K^T,
-  O = scale e o Q S_i + P_g V', stored straight from registers (masked rows in a partial chunk).
+  W' = V - e o U0 (in registers), V' = A_g W'; hands V' to WG0 (the critical path) and WG2.
+* WG2 "output": Q K^T is issued before S_i is ready, Q S_i right after; P_g = scale Gamma o Q K^T while
+  Q S_i runs; O = scale e o Q S_i + P_g V' is staged over this chunk's (dead) Q tile and TMA-stored
+  (a partial last chunk is stored by rows, masked).
 * WG3 "producer": one warp TMA-loads q and k, one v, one T~ and [gamma; beta] into a two-stage ring.
 
-The state chain per chunk is publish S -> K S -> W' -> A_g W' -> K^T (r o V'); the rest runs beside it.
-Measured on an H200 (``bench/NOTES-fwd.md``), the three consumer warpgroups are about equally busy: the
-elementwise work each does per chunk, not the tensor cores, sets the time per chunk. Rows of a partial chunk past the sequence end are loaded from the next sequence (or
-zero-filled past the tensor): they have beta = 0 and r = 0, so they reach neither V' of valid rows nor S,
-and their outputs are not stored. Precision (chosen with a CPU emulation of every rounding point against
-the float64 oracle, see ``bench/NOTES-fwd.md``): fp16 T~, A_g, P_g, W', V', r o V' and K for the state
-update; the S copy in the input dtype; fp32 accumulators and gate tables.
+The state chain per chunk is publish S -> K S -> W' -> A_g W' -> (r o K)^T V'; the rest runs beside it.
+Every gate factor is one SFU ex2 of a difference of per-row and per-column terms that each thread
+computes once per chunk (``_gamma_times``); the elementwise work per chunk, more than the tensor cores,
+sets the time per chunk (``bench/NOTES-fwd.md``).
+
+Rows of a partial chunk past the sequence end are loaded from the next sequence (or zero-filled past the
+tensor): they have beta = 0 and r = 0, so they reach neither V' of valid rows nor S, and their outputs
+are not stored. Precision (chosen with a CPU emulation of every rounding point against the float64
+oracle, see ``bench/NOTES-fwd.md``): fp16 T~, A_g, P_g, W', V' and r o K; the S copy in the input dtype;
+fp32 accumulators and gate tables.
 """
 
 import tilelang.language as T
