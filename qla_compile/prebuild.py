@@ -13,7 +13,12 @@ import importlib
 import os
 import time
 
-_MODULES = ("qla_compile.kernels.gdr_fwd", "qla_compile.kernels.fused_fwd", "qla_compile.kernels.gdr_bwd")
+_MODULES = (
+    "qla_compile.kernels.gdr_fwd",
+    "qla_compile.kernels.fused_fwd",
+    "qla_compile.kernels.cp_fwd",
+    "qla_compile.kernels.gdr_bwd",
+)
 
 
 def all_variants():

@@ -1,7 +1,8 @@
 """The SM90 forward kernels lower and build for sm_90a on a machine without a GPU.
 
-Four builds (CI has two cores, ~30 s each): the inverse in both dtypes, the bf16 fused kernel with an
-initial state and the full V tile, the fp16 one with neither, so both branches of each flag compile.
+Six builds (CI has two cores, ~30 s each): the inverse in both dtypes, the bf16 fused kernel with an
+initial state and the full V tile, the fp16 one with neither, so both branches of each flag compile,
+and the two context-parallel kernels (the fused kernel's transition mode and the piece scan).
 ``python -m qla_compile.prebuild`` builds every variant.
 """
 import importlib.util
@@ -19,18 +20,25 @@ VARIANTS = [
     ("kkt_inverse", dict(dk=128, dtype="float16")),
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="bfloat16", has_h0=True, block_dv=128)),
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="float16", has_h0=False, block_dv=64)),
+    ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="bfloat16", has_h0=False, block_dv=64, transition=True)),
+    ("scan", dict(dk=128, dv=128, has_h0=True)),
 ]
 
 
-@pytest.mark.parametrize("name,params", VARIANTS, ids=[f"{n}-{p['dtype']}" for n, p in VARIANTS])
+def _id(name, params):
+    return "-".join([name, params.get("dtype", "fp32")] + (["transition"] if params.get("transition") else []))
+
+
+@pytest.mark.parametrize("name,params", VARIANTS, ids=[_id(n, p) for n, p in VARIANTS])
 def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
     monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path))
-    from qla_compile.kernels import fused_fwd, gdr_fwd
+    from qla_compile.kernels import cp_fwd, fused_fwd, gdr_fwd
 
-    module = fused_fwd if name == "chunk_fwd_ws" else gdr_fwd
+    module = {"chunk_fwd_ws": fused_fwd, "scan": cp_fwd}.get(name, gdr_fwd)
     kernel = getattr(module, name).__wrapped__(**params)  # uncached: a real build
     source = kernel.get_kernel_source()
-    assert "wgmma" in source  # the GEMMs went to Hopper's warpgroup MMA
+    # the GEMMs went to Hopper's warpgroup MMA (the scan's small FP32 product: TF32 mma.sync)
+    assert ("mma_sync" if name == "scan" else "wgmma") in source
     if name == "chunk_fwd_ws":
         assert "tma_load" in source  # inputs stream through the bulk tensor copy engine
 

@@ -8,22 +8,31 @@ Entry points, called by ``qla_compile.ops`` on SM90 CUDA tensors:
   gate-free inverse T~ and the per-chunk gate cumsum for a backward pass.
 
 The forward is two kernels: ``gdr_fwd.kkt_inverse`` (gate cumsum and the gate-free inverse T~, all
-chunks in parallel) and ``fused_fwd.chunk_fwd_ws`` (the warp-specialised chunk recurrence).
+chunks in parallel) and ``fused_fwd.chunk_fwd_ws`` (the warp-specialised chunk recurrence). When few
+long sequences would leave SMs idle, ``cp_fwd`` cuts them into pieces that run in parallel
+(gate-driven context parallelism: a warm-up or exact transition per piece, then a scan of the
+pieces' initial states).
 One compile per (K, V, dtype, initial state or not, V split or not) serves every head count, length
 and batch layout:
 a dense ``[B, T]`` batch runs as one packed sequence with ``cu_seqlens = [0, T, 2T, ...]``.
 
 CUDA graphs: dense inputs are capturable (no host sync; the chunk tables are built on the device).
 Varlen inputs are capturable too, with no warm-up call, when ``cu_seqlens`` is already a CUDA tensor:
-nothing reads it on the host and the number of chunk slots is bounded by ``T_total // 64 + N`` from
-shapes alone (a CPU ``cu_seqlens`` is copied to the device, which capture forbids).
+the number of chunk slots is bounded by ``T_total // 64 + N`` from shapes alone (a CPU ``cu_seqlens``
+is copied to the device, which capture forbids). Context parallelism needs the sequence lengths on
+the host: with H_v <= 56 an uncaptured varlen call reads a CUDA ``cu_seqlens`` (one synchronisation,
+once per tensor: the lengths are cached by identity and version) and builds the piece tables; a
+captured call runs context-parallel only when an earlier uncaptured call with the same ``cu_seqlens``
+tensor (or the same dense shape) left that plan in the cache, and unsplit otherwise.
 Known gaps: a log gate of -inf gives NaN (clamp g >= -88 before the call); the q/k L2 norm runs as
 torch ops before the kernels.
 """
 
+import weakref
+
 import torch
 
-from . import fused_fwd, gdr_fwd
+from . import cp_fwd, fused_fwd, gdr_fwd
 from ._build import TARGET, cache_dir
 
 __all__ = ["hopper_supported", "chunk_gdr_fwd_hopper", "chunk_gdr_fwd_hopper_aux", "TARGET", "cache_dir"]
@@ -32,6 +41,8 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _HEAD_DIMS = (128,)
 # Below this many (sequence, v-head) pairs the V dimension is split in two to fill the 132 SMs.
 _FULL_DV_MIN_CTAS = 88
+# Context parallelism is only ever chosen for at most this many v-heads (``cp_fwd.piece_chunks``).
+_CP_MAX_HEADS = 56
 
 
 def hopper_supported(q, k, v, *args, **kwargs) -> bool:
@@ -88,8 +99,95 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens):
         )
 
 
+# Host-side facts the context-parallel plan needs, cached so that a captured call can reuse them:
+# sequence lengths per live cu_seqlens tensor (checked by identity and version), piece tables per plan.
+_LENGTHS: dict = {}
+_PIECE_TABLES: dict = {}
+_CACHE_SIZE = 64
+
+
+def _host_lengths(cu_seqlens, batch, seqlen):
+    """Sequence lengths as a Python list, or None when reading them would break CUDA-graph capture
+    (a ``cu_seqlens`` seen before outside capture is answered from the cache)."""
+    if cu_seqlens is None:
+        return [seqlen] * batch
+    hit = _LENGTHS.get(id(cu_seqlens))
+    if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
+        return hit[2]
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    bounds = cu_seqlens.tolist()
+    lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    if len(_LENGTHS) >= _CACHE_SIZE:
+        _LENGTHS.clear()
+    _LENGTHS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, lens)
+    return lens
+
+
+def _piece_tables(lens, chunks, device):
+    """``cp_fwd.pieces`` as one device int32 tensor (built once per plan: a captured call reuses it)."""
+    key = (str(device), tuple(lens), chunks)
+    if key not in _PIECE_TABLES:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        cu, offs, seq_pieces, last = cp_fwd.pieces(lens, chunks)
+        if len(_PIECE_TABLES) >= _CACHE_SIZE:
+            _PIECE_TABLES.clear()
+        _PIECE_TABLES[key] = (len(last), torch.tensor(cu + offs + seq_pieces + last, dtype=torch.int32).to(device))
+    return _PIECE_TABLES[key]
+
+
+def _piece_chunks(context_parallel, cu_seqlens, batch, seqlen, h_v, device):
+    """(lengths, piece length in chunks) when the forward runs context-parallel, else None."""
+    if context_parallel is False or (context_parallel is None and h_v > _CP_MAX_HEADS):
+        return None
+    lens = _host_lengths(cu_seqlens, batch, seqlen)
+    if lens is None:
+        return None
+    if context_parallel is None:
+        chunks = cp_fwd.piece_chunks(lens, h_v, torch.cuda.get_device_properties(device).multi_processor_count)
+    else:
+        chunks = int(context_parallel)
+    if chunks is None or max(lens) <= chunks * gdr_fwd.CHUNK or _piece_tables(lens, chunks, device) is None:
+        return None
+    return lens, chunks
+
+
+def _block_dv(n_ctas, dv):
+    return dv if n_ctas >= _FULL_DV_MIN_CTAS else dv // 2
+
+
+def _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, lens, chunks):
+    """The fused forward over pieces of ``chunks`` chunks, their initial states from ``cp_fwd``."""
+    h_v, dk, dv = v3.shape[1], k3.shape[2], v3.shape[2]
+    device = q3.device
+    n_p, tables = _piece_tables(lens, chunks, device)
+    cu, offsets = tables[: n_p + 1], tables[n_p + 1 : 2 * n_p + 2]
+    seq_pieces = tables[2 * n_p + 2 : 2 * n_p + 3 + len(lens)]
+    last = tables[-n_p:].bool()
+    # dropping a piece's transition M needs every per-token map I - beta k k^T to be a contraction
+    k_sq = torch.linalg.vector_norm(k3, dim=-1, dtype=torch.float32).amax().square()
+    exact = (b2.amin() >= 0) & (b2.amax() * k_sq <= 2)
+    skip = cp_fwd.warmup_skip(gb, offsets, last, chunks, exact)
+
+    f32 = dict(device=device, dtype=torch.float32)
+    e, m = torch.empty(n_p, h_v, dk, dv, **f32), torch.empty(n_p, h_v, dk, dk, **f32)
+    bv = _block_dv(n_p * h_v, dv)
+    fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=False, block_dv=bv, transition=True)(
+        q3, k3, v3, tt, gb, cu, offsets, skip, e, m)
+    has_h0 = initial_state is not None
+    h0 = initial_state.to(torch.float32).contiguous() if has_h0 else e[:1]
+    h0p = torch.empty(n_p, h_v, dk, dv, **f32)
+    cp_fwd.scan(dk=dk, dv=dv, has_h0=has_h0)(e, m, skip, seq_pieces, h0, h0p)
+    o = torch.empty_like(v3)
+    ht = torch.empty(n_p, h_v, dk, dv, **f32)
+    fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=True, block_dv=bv)(
+        q3, k3, v3, tt, gb, cu, offsets, h0p, float(scale), o, ht)
+    return o, ht.index_select(0, seq_pieces[1:].long() - 1)
+
+
 def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
-                             use_qk_l2norm: bool = False):
+                             use_qk_l2norm: bool = False, context_parallel=None):
     """The forward plus the aux a backward can reuse.
 
     Returns ``(o, final_state, tt, gb, chunk_offsets)``. Chunk j of sequence n is slot
@@ -98,6 +196,8 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     ``gb``: fp32 ``[n_slots, H_v, 2, 64]``, row 0 the in-chunk inclusive cumsum of g, row 1 beta; rows past
     a sequence's end have g = beta = 0 (so gamma repeats the last value and T~ has unit rows there).
     With ``use_qk_l2norm`` the kernels see the normalised q, k (done here with torch ops).
+    ``context_parallel``: None chooses (``cp_fwd.piece_chunks``), False never splits, an int splits
+    every longer sequence into pieces of that many chunks.
     Tokens after ``cu_seqlens[-1]`` are not written.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
@@ -125,19 +225,22 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     gb = torch.empty(n_slots, h_v, 2, gdr_fwd.CHUNK, device=q.device, dtype=torch.float32)
     gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g2, b2, cu, offsets, tt, gb)
 
+    cp = _piece_chunks(context_parallel, cu_seqlens, B, T, h_v, q.device)
+    if cp is not None:
+        o, ht = _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, *cp)
+        return o.view(B, T, h_v, dv), ht, tt, gb, offsets
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty(
         1, h_v, dk, dv, device=q.device, dtype=torch.float32)
-    block_dv = dv if n_seq * h_v >= _FULL_DV_MIN_CTAS else dv // 2
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
-    kernel = fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=block_dv)
+    kernel = fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=_block_dv(n_seq * h_v, dv))
     kernel(q3, k3, v3, tt, gb, cu, offsets, h0, float(scale), o, ht)
     return o.view(B, T, h_v, dv), ht, tt, gb, offsets
 
 
 def chunk_gdr_fwd_hopper(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
-                         use_qk_l2norm: bool = False):
+                         use_qk_l2norm: bool = False, context_parallel=None):
     """GDN chunked forward on SM90.
 
     q, k: ``[B, T, H_qk, K]``; v: ``[B, T, H_v, V]`` (bf16 or fp16, same dtype); g: ``[B, T, H_v]`` log-space
@@ -145,5 +248,6 @@ def chunk_gdr_fwd_hopper(q, k, v, g, beta, scale: float, initial_state=None, cu_
     ``[N, H_v, K, V]`` or None; cu_seqlens: ``[N+1]`` int (B == 1) or None.
     Returns ``o`` ``[B, T, H_v, V]`` in v's dtype and the fp32 final state ``[N, H_v, K, V]``.
     """
-    o, ht, *_ = chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
+    o, ht, *_ = chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm,
+                                         context_parallel)
     return o, ht

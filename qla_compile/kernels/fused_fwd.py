@@ -63,8 +63,17 @@ def _gamma_times(gb_s, st, a, b, row_log2=0.0, col_log2=0.0):
 
 
 @compiled
-def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128):
-    """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, scale, o, ht)``."""
+def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128, transition: bool = False):
+    """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, scale, o, ht)``.
+
+    With ``transition`` (the context-parallel prologue, see ``cp_fwd``) it computes no output but, per
+    (piece, v-head), the affine map of the piece's state recurrence, ``S_end = M S_start + E``:
+    ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, skip, ht, mt)`` writes E to ``ht`` and M to
+    ``mt``. ``skip[piece, hv]`` >= 0 is a warm-up window: only the piece's chunks from ``skip`` on are
+    run, from a zero state, and M is not formed (the caller has checked that the skipped chunks decay
+    the state by less than e^-10); ``skip`` < 0 runs the whole piece and also forms M, as the DV slices
+    past ``dv`` of an identity initial state with V = 0.
+    """
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
@@ -73,22 +82,11 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     h_v = T.dynamic("h_v")
     C, BV = CHUNK, block_dv
     acc, half = "float32", "float16"
+    n_slices = dv // BV + (dk // BV if transition else 0)
 
-    @T.prim_func
-    def kernel(
-        q: T.Tensor((n_tok, h_qk, dk), dtype),
-        k: T.Tensor((n_tok, h_qk, dk), dtype),
-        v: T.Tensor((n_tok, h_v, dv), dtype),
-        tt: T.Tensor((n_chunk, h_v, C, C), half),
-        gb: T.Tensor((n_chunk, h_v, 2, C), acc),
-        cu_seqlens: T.Tensor((n_seq1,), "int32"),
-        chunk_offsets: T.Tensor((n_seq1,), "int32"),
-        h0: T.Tensor((n_h0, h_v, dk, dv), acc),
-        scale: T.float32,
-        o: T.Tensor((n_tok, h_v, dv), dtype),
-        ht: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
-    ):
-        with T.Kernel(n_seq1 - 1, h_v, dv // BV, threads=512) as (seq, hv, bv):
+    @T.macro
+    def body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, skip, scale, o, ht, mt):
+        with T.Kernel(n_seq1 - 1, h_v, n_slices, threads=512) as (seq, hv, bv):
             T.import_source(_PTX)
             # two-stage input ring, filled by TMA
             q_s = T.alloc_shared((2, C, dk), dtype)
@@ -118,23 +116,34 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             coff = chunk_offsets[seq]
             n_iter = T.ceildiv(seqlen, C)
             tx = T.get_thread_binding()
+            # chunks [i0, n_iter) are run; M slices (transition only) run when skip < 0
+            i0 = 0
+            is_m = False
+            if transition:
+                is_m = bv >= dv // BV
+                i0 = T.if_then_else(is_m & (skip[seq, hv] >= 0), n_iter, T.min(T.max(skip[seq, hv], 0), n_iter))
+            n_run = n_iter - i0
 
             if tx < 128:  # WG0: the state
                 T.set_max_nreg(_NREG[0], 1)
                 s_f = T.alloc_fragment((dk, BV), acc)
                 decay = T.alloc_var(acc)
-                if has_h0:
+                if transition:
+                    for a, b in T.Parallel(dk, BV):
+                        s_f[a, b] = T.cast(is_m & (a == v0 - dv + b), acc)
+                elif has_h0:
                     T.copy(h0[seq, hv, :, v0 : v0 + BV], s_f)
                 else:
                     T.clear(s_f)
-                for i in T.serial(n_iter):
-                    st = i % 2
+                for j in T.serial(n_run):
+                    i = i0 + j
+                    st = j % 2
                     length = T.min(seqlen - i * C, C)
-                    T.barrier_wait(s_free, (i + 1) % 2)
+                    T.barrier_wait(s_free, (j + 1) % 2)
                     T.copy(s_f, s_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(s_ready)
-                    T.barrier_wait(full[st], (i // 2) % 2)
+                    T.barrier_wait(full[st], (j // 2) % 2)
                     for r in T.Parallel(C):
                         rk_s[r] = _exp(gb_s[st, 0, C - 1] - gb_s[st, 0, r]) * T.cast(r < length, acc)
                     for r, d in T.Parallel(C, dk):
@@ -143,19 +152,26 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     decay = _exp(gb_s[st, 0, C - 1])
                     for a, b in T.Parallel(dk, BV):
                         s_f[a, b] = s_f[a, b] * decay
-                    T.barrier_wait(vp_ready, i % 2)
+                    T.barrier_wait(vp_ready, j % 2)
                     T.gemm(kh_s, vp_s, s_f, transpose_A=True)
                     T.barrier_arrive(empty[st])
-                T.copy(s_f, ht[seq, hv, :, v0 : v0 + BV])
+                if transition:
+                    if is_m:
+                        if n_run > 0:
+                            T.copy(s_f, mt[seq, hv, :, v0 - dv : v0 - dv + BV])
+                    else:
+                        T.copy(s_f, ht[seq, hv, :, v0 : v0 + BV])
+                else:
+                    T.copy(s_f, ht[seq, hv, :, v0 : v0 + BV])
 
             elif tx < 256:  # WG1: the delta rule
                 T.set_max_nreg(_NREG[1], 1)
                 u_f = T.alloc_fragment((C, BV), acc)
                 a_f = T.alloc_fragment((C, C), acc)
                 e_f = T.alloc_fragment((C,), acc)
-                for i in T.serial(n_iter):
-                    st = i % 2
-                    T.barrier_wait(full[st], (i // 2) % 2)
+                for j in T.serial(n_run):
+                    st = j % 2
+                    T.barrier_wait(full[st], (j // 2) % 2)
                     T.copy(tt_s[st, :, :], a_f)
                     for a, b in T.Parallel(C, C):
                         a_f[a, b] = a_f[a, b] * _gamma_times(gb_s, st, a, b, col_log2=_lg2(gb_s[st, 1, b]))
@@ -163,16 +179,20 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     T.fence_proxy_async()
                     for a in T.Parallel(C):
                         e_f[a] = _exp(gb_s[st, 0, a])
-                    T.barrier_wait(s_ready, i % 2)
+                    T.barrier_wait(s_ready, j % 2)
                     T.gemm(k_s[st, :, :], s_s, u_f, clear_accum=True)
                     T.barrier_arrive(s_free)
-                    for a, b in T.Parallel(C, BV):
-                        u_f[a, b] = T.cast(v_s[st, a, b], acc) - e_f[a] * u_f[a, b]
+                    if is_m:  # V = 0 for the columns of M
+                        for a, b in T.Parallel(C, BV):
+                            u_f[a, b] = -e_f[a] * u_f[a, b]
+                    else:
+                        for a, b in T.Parallel(C, BV):
+                            u_f[a, b] = T.cast(v_s[st, a, b], acc) - e_f[a] * u_f[a, b]
                     T.copy(u_f, w_s)
                     T.fence_proxy_async()
                     T.gemm(tt_s[st, :, :], w_s, u_f, clear_accum=True)
                     # WG0 has read the previous V' (before publishing the S this chunk's K S used); WG2 says so
-                    T.barrier_wait(vp_free, (i + 1) % 2)
+                    T.barrier_wait(vp_free, (j + 1) % 2)
                     T.copy(u_f, vp_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(vp_ready)
@@ -180,72 +200,124 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
 
             elif tx < 384:  # WG2: the output
                 T.set_max_nreg(_NREG[2], 1)
-                o_f = T.alloc_fragment((C, BV), acc)
-                p_f = T.alloc_fragment((C, C), acc)
-                eo_f = T.alloc_fragment((C,), acc)
-                log2_scale = _lg2(scale)
-                for i in T.serial(n_iter):
-                    st = i % 2
-                    start = bos + i * C
-                    length = T.min(seqlen - i * C, C)
-                    T.barrier_wait(full[st], (i // 2) % 2)
-                    T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
-                    T.barrier_wait(s_ready, i % 2)
-                    T.wgmma_gemm(q_s[st, :, :], s_s, o_f, clear_accum=True)
-                    T.wait_wgmma(1)
-                    for a, b in T.Parallel(C, C):
-                        p_f[a, b] = p_f[a, b] * _gamma_times(gb_s, st, a, b, row_log2=log2_scale)
-                    T.copy(p_f, p_s)
-                    T.fence_proxy_async()
-                    T.wait_wgmma(0)
-                    T.barrier_arrive(s_free)
-                    for a in T.Parallel(C):
-                        eo_f[a] = _exp(gb_s[st, 0, a]) * scale
-                    for a, b in T.Parallel(C, BV):
-                        o_f[a, b] = o_f[a, b] * eo_f[a]
-                    T.barrier_wait(vp_ready, i % 2)
-                    T.gemm(p_s, vp_s, o_f)
-                    T.barrier_arrive(vp_free)
-                    # O is staged over this chunk's Q (dead now) and stored by rows, 16 bytes per access
-                    T.copy(o_f, q_s[st, :, 0:BV])
-                    T.fence_proxy_async()
-                    if length == C:
-                        T.copy(q_s[st, :, 0:BV], o[start : start + C, hv, v0 : v0 + BV])
-                    else:
-                        for a, b in T.Parallel(C, BV):
-                            if a < length:
-                                o[start + a, hv, v0 + b] = q_s[st, a, b]
+                if transition:  # no output: only the hand-off protocol
+                    for j in T.serial(n_run):
+                        T.barrier_wait(s_ready, j % 2)
+                        T.barrier_arrive(s_free)
+                        T.barrier_wait(vp_ready, j % 2)
+                        T.barrier_arrive(vp_free)
+                        T.barrier_arrive(empty[j % 2])
+                else:
+                    o_f = T.alloc_fragment((C, BV), acc)
+                    p_f = T.alloc_fragment((C, C), acc)
+                    eo_f = T.alloc_fragment((C,), acc)
+                    log2_scale = _lg2(scale)
+                    for i in T.serial(n_iter):
+                        st = i % 2
+                        start = bos + i * C
+                        length = T.min(seqlen - i * C, C)
+                        T.barrier_wait(full[st], (i // 2) % 2)
+                        T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                        T.barrier_wait(s_ready, i % 2)
+                        T.wgmma_gemm(q_s[st, :, :], s_s, o_f, clear_accum=True)
+                        T.wait_wgmma(1)
+                        for a, b in T.Parallel(C, C):
+                            p_f[a, b] = p_f[a, b] * _gamma_times(gb_s, st, a, b, row_log2=log2_scale)
+                        T.copy(p_f, p_s)
                         T.fence_proxy_async()
-                    T.barrier_arrive(empty[st])
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(s_free)
+                        for a in T.Parallel(C):
+                            eo_f[a] = _exp(gb_s[st, 0, a]) * scale
+                        for a, b in T.Parallel(C, BV):
+                            o_f[a, b] = o_f[a, b] * eo_f[a]
+                        T.barrier_wait(vp_ready, i % 2)
+                        T.gemm(p_s, vp_s, o_f)
+                        T.barrier_arrive(vp_free)
+                        # O is staged over this chunk's Q (dead now) and stored by rows, 16 bytes per access
+                        T.copy(o_f, q_s[st, :, 0:BV])
+                        T.fence_proxy_async()
+                        if length == C:
+                            T.copy(q_s[st, :, 0:BV], o[start : start + C, hv, v0 : v0 + BV])
+                        else:
+                            for a, b in T.Parallel(C, BV):
+                                if a < length:
+                                    o[start + a, hv, v0 + b] = q_s[st, a, b]
+                            T.fence_proxy_async()
+                        T.barrier_arrive(empty[st])
 
             else:  # WG3: producer warps
                 T.set_max_nreg(_NREG[3], 0)
-                for i in T.serial(n_iter):
-                    st = i % 2
+                for j in T.serial(n_run):
+                    i = i0 + j
+                    st = j % 2
                     start = bos + i * C
                     if tx < 416:
-                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
-                        T.tma_copy(q[start : start + C, hk, :], q_s[st, :, :], barrier=full[st])
+                        T.barrier_wait(empty[st], (j // 2 + 1) % 2)
+                        if not transition:
+                            T.tma_copy(q[start : start + C, hk, :], q_s[st, :, :], barrier=full[st])
                         T.tma_copy(k[start : start + C, hk, :], k_s[st, :, :], barrier=full[st])
                         T.barrier_arrive(full[st])
                     elif tx < 448:
-                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
-                        T.tma_copy(v[start : start + C, hv, v0 : v0 + BV], v_s[st, :, :], barrier=full[st])
+                        T.barrier_wait(empty[st], (j // 2 + 1) % 2)
+                        if not is_m:
+                            T.tma_copy(v[start : start + C, hv, v0 : v0 + BV], v_s[st, :, :], barrier=full[st])
                         T.barrier_arrive(full[st])
                     elif tx < 480:
-                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
+                        T.barrier_wait(empty[st], (j // 2 + 1) % 2)
                         T.tma_copy(tt[coff + i, hv, :, :], tt_s[st, :, :], barrier=full[st])
                         T.tma_copy(gb[coff + i, hv, :, :], gb_s[st, :, :], barrier=full[st])
                         T.barrier_arrive(full[st])
+
+    if transition:
+
+        @T.prim_func
+        def kernel(
+            q: T.Tensor((n_tok, h_qk, dk), dtype),
+            k: T.Tensor((n_tok, h_qk, dk), dtype),
+            v: T.Tensor((n_tok, h_v, dv), dtype),
+            tt: T.Tensor((n_chunk, h_v, C, C), half),
+            gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+            cu_seqlens: T.Tensor((n_seq1,), "int32"),
+            chunk_offsets: T.Tensor((n_seq1,), "int32"),
+            skip: T.Tensor((n_seq1 - 1, h_v), "int32"),
+            ht: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
+            mt: T.Tensor((n_seq1 - 1, h_v, dk, dk), acc),
+        ):
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, None, skip, None, None, ht, mt)
+
+    else:
+
+        @T.prim_func
+        def kernel(
+            q: T.Tensor((n_tok, h_qk, dk), dtype),
+            k: T.Tensor((n_tok, h_qk, dk), dtype),
+            v: T.Tensor((n_tok, h_v, dv), dtype),
+            tt: T.Tensor((n_chunk, h_v, C, C), half),
+            gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+            cu_seqlens: T.Tensor((n_seq1,), "int32"),
+            chunk_offsets: T.Tensor((n_seq1,), "int32"),
+            h0: T.Tensor((n_h0, h_v, dk, dv), acc),
+            scale: T.float32,
+            o: T.Tensor((n_tok, h_v, dv), dtype),
+            ht: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
+        ):
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, None, scale, o, ht, None)
 
     return kernel
 
 
 def variants():
     """``(kernel name, params)`` of every warp-specialised forward variant (K = V = 128)."""
-    return [
-        ("chunk_fwd_ws", dict(dk=128, dv=128, dtype=dtype, has_h0=has_h0, block_dv=block_dv))
+    full = [
+        dict(dk=128, dv=128, dtype=dtype, has_h0=has_h0, block_dv=block_dv)
         for dtype in ("bfloat16", "float16")
         for has_h0 in (True, False)
         for block_dv in (128, 64)
     ]
+    cp = [
+        dict(dk=128, dv=128, dtype=dtype, has_h0=False, block_dv=block_dv, transition=True)
+        for dtype in ("bfloat16", "float16")
+        for block_dv in (128, 64)
+    ]
+    return [("chunk_fwd_ws", params) for params in full + cp]

@@ -55,6 +55,72 @@ def test_matches_fp64_oracle(name):
     assert rel_err(ht, ref_ht) <= TOL, rel_err(ht, ref_ht)
 
 
+CP_CASES = {
+    # name: (B, T, H, HV, dtype, cu_seqlens, h0, l2norm, context_parallel: piece length in chunks or None)
+    "cp-varlen-gva4-h0": (1, 5000, 2, 8, torch.bfloat16, [0, 3000, 3001, 3700, 5000], True, False, 8),
+    "cp-dense-fp16-l2norm": (2, 1500, 1, 2, torch.float16, None, False, True, 4),
+    "cp-auto-1x4096": (1, 4096, 1, 4, torch.bfloat16, None, True, False, None),
+}
+
+
+@pytest.mark.parametrize("name", list(CP_CASES))
+def test_context_parallel_matches_fp64_oracle(name):
+    """Pieces of a sequence run in parallel from warm-up or exact transition states (``cp_fwd``)."""
+    kernels = _kernels()
+    B, T, H, HV, dtype, cu, h0, l2, cp = CP_CASES[name]
+    kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=len(name))
+    lens = [T] * B if cu is None else [b - a for a, b in zip(cu, cu[1:])]
+    chunks = cp or kernels.cp_fwd.piece_chunks(lens, HV, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert chunks is not None and max(lens) > chunks * 64  # the case does split
+    o, ht = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=cp)
+    ref_o, ref_ht = recurrent_gdr_reference(
+        kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale=128**-0.5, initial_state=kw.get("initial_state"),
+        output_final_state=True, cu_seqlens=kw.get("cu_seqlens"), use_qk_l2norm_in_kernel=l2,
+    )
+    assert rel_err(o, ref_o) <= TOL, rel_err(o, ref_o)
+    assert rel_err(ht, ref_ht) <= TOL, rel_err(ht, ref_ht)
+    o1, ht1 = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=False)
+    assert rel_err(o, o1) <= TOL and rel_err(ht, ht1) <= TOL
+
+
+def test_context_parallel_exact_transitions_for_long_keys():
+    """|k| > 1 voids the warm-up bound: every piece then carries its exact transition M."""
+    kernels = _kernels()
+    kw, args = _case(1, 2000, 1, 4, torch.bfloat16, None, True, seed=3)
+    k = (kw["k"].float() * 1.5).to(torch.bfloat16)  # beta |k|^2 up to 2.25 > 2
+    args = (args[0], k) + args[2:]
+    o, ht = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=4)
+    ref_o, ref_ht = recurrent_gdr_reference(
+        kw["q"], k, kw["v"], kw["g"], kw["beta"], scale=128**-0.5, initial_state=kw["initial_state"],
+        output_final_state=True,
+    )
+    assert rel_err(o, ref_o) <= TOL, rel_err(o, ref_o)
+    assert rel_err(ht, ref_ht) <= TOL, rel_err(ht, ref_ht)
+
+
+def test_context_parallel_under_capture():
+    """A captured call reuses the plan of an uncaptured call with the same cu_seqlens, and runs unsplit
+    for a cu_seqlens it has not seen (reading it would synchronise)."""
+    kernels = _kernels()
+    _, args = _case(1, 4096, 1, 4, torch.bfloat16, [0, 4000, 4096], True)
+    eager = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=8)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        seen = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=8)
+    unseen_args = list(args)
+    unseen_args[7] = args[7].clone()
+    graph2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph2):
+        unseen = kernels.chunk_gdr_fwd_hopper(*unseen_args, context_parallel=8)
+    graph.replay()
+    graph2.replay()
+    torch.cuda.synchronize()
+    unsplit = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=False)
+    assert all(torch.equal(a, b) for a, b in zip(seen, eager))
+    assert all(torch.equal(a, b) for a, b in zip(unseen, unsplit))
+
+
 def test_every_output_element_written(monkeypatch):
     """Outputs allocated inside the call are poisoned with NaN; none may survive."""
     kernels = _kernels()
@@ -69,6 +135,9 @@ def test_every_output_element_written(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda x, **k: poisoned(x.shape, dtype=k.get("dtype", x.dtype),
                                                                      device=x.device))
     o, ht = kernels.chunk_gdr_fwd_hopper(*args)
+    assert not o.isnan().any() and not ht.isnan().any()
+    _, args = _case(1, 2000, 2, 4, torch.bfloat16, [0, 1500, 1501, 2000], True)
+    o, ht = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=4)  # pieces, E, M, their states: all poisoned
     assert not o.isnan().any() and not ht.isnan().any()
 
 

@@ -1,0 +1,147 @@
+"""Gate-driven intra-card context parallelism (CP) for the SM90 forward.
+
+With few (sequence, v-head) pairs the fused kernel runs few CTAs and each walks its whole sequence,
+so a single long sequence leaves most SMs idle. CP splits such sequences into pieces of ``L`` chunks
+and gets every piece's initial state without walking the sequence:
+
+1. **Warm-up plan** (:func:`warmup_skip`, on the device): the state recurrence is affine per piece,
+   ``S_end = M S_start + E``. For a head whose gate decays the state by more than e^-10 over the
+   piece's last chunks, ``M`` (whose norm is at most the decay when ``|k| <= 1`` and ``0 <= beta <= 2``)
+   is dropped and ``E`` is computed from a zero state over those last chunks only. Other heads run the
+   whole piece and also form ``M`` (exact).
+2. ``fused_fwd.chunk_fwd_ws(transition=True)`` computes ``E`` (and ``M`` where needed) for every piece.
+3. :func:`scan` chains the pieces of each sequence: ``h0[p + 1] = M[p] h0[p] + E[p]``.
+4. The ordinary fused kernel runs over all pieces with these initial states.
+
+Dropping ``M`` changes the result by less than e^-10 (4.5e-5) relative; the ``M`` path is exact up to
+rounding (``M S`` is a TF32 tensor-core product). The plan needs the sequence lengths on the host;
+``qla_compile.kernels`` caches them and the piece tables, so that a CUDA-graph capture can reuse the
+plan of an earlier uncaptured call.
+"""
+
+import math
+
+import torch
+import tilelang.language as T
+
+from ._build import compiled
+from .gdr_fwd import CHUNK
+
+# log of the state decay over a warm-up window that lets the piece's transition M be dropped
+_WARMUP_LOG_DECAY = -10.0
+_MIN_PIECE_CHUNKS = 8
+_SCAN_BLOCK_DV = 32
+_NO_CHUNKS = 1 << 30  # skip value of a sequence's last piece: its E and M are not needed
+
+
+def piece_chunks(lens, h_v: int, n_sm: int):
+    """Piece length in chunks when CP pays off for these sequence lengths, else None.
+
+    With n_c chunks per sequence and Be = sum(n_c) / max(n_c) the effective number of sequences, CP is
+    on when Be * H_v <= 24 with a sequence of at least 64 chunks, or Be * H_v <= 40 with one of at least
+    256 (measured on an H200: below that the extra launches and the exact transitions of non-decaying
+    heads cost more than the split saves). The piece length is FlashQLA's, balancing the pieces' walk
+    against the warm-up and scan: L = 2^round(log2(3 sqrt(H_v sum(n_c) / SMs))), at least 8 chunks.
+    """
+    n_c = [-(-n // CHUNK) for n in lens]
+    total, longest = sum(n_c), max(n_c, default=0)
+    if longest == 0:
+        return None
+    be_h = total / longest * h_v
+    if not ((be_h <= 24 and longest >= 64) or (be_h <= 40 and longest >= 256)):
+        return None
+    return max(_MIN_PIECE_CHUNKS, 2 ** round(math.log2(3 * math.sqrt(h_v * total / n_sm))))
+
+
+def pieces(lens, chunk_len: int):
+    """Host tables of the pieces (each sequence cut every ``chunk_len`` chunks).
+
+    Returns int32 ``cu`` (token bounds of the pieces, ``[P+1]``), ``chunk_offsets`` (first chunk slot
+    of each piece in the unsplit numbering, ``[P+1]``), ``seq_pieces`` (first piece of each sequence,
+    ``[N+1]``) and ``last`` (whether each piece ends its sequence, ``[P]``), as Python lists.
+    """
+    cu, offs, seq_pieces, last = [0], [0], [0], []
+    tok, slot = 0, 0
+    step = chunk_len * CHUNK
+    for n in lens:
+        starts = list(range(0, n, step)) or [0]
+        for j, s in enumerate(starts):
+            end = min(s + step, n)
+            cu.append(tok + end)
+            offs.append(slot + -(-end // CHUNK))
+            last.append(j == len(starts) - 1)
+        tok, slot = tok + n, slot + -(-n // CHUNK)
+        seq_pieces.append(len(last))
+    return cu, offs, seq_pieces, last
+
+
+def warmup_skip(gb, chunk_offsets, last, chunk_len: int, exact):
+    """Per (piece, v-head), the chunks the transition kernel skips (see ``chunk_fwd_ws``).
+
+    ``gb``: the forward's ``[slots, H_v, 2, 64]`` gate table (row 0, column 63: the chunk's summed log
+    gate); ``chunk_offsets``: device int32 ``[P+1]``; ``last``: device bool ``[P]``; ``exact``: device
+    bool scalar, False forces M everywhere (the e^-10 bound needs ``|k| <= 1`` and ``0 <= beta <= 2``).
+    A piece is skipped up to its last chunks whose gate sum drops below -10; -1 if it never does.
+    """
+    slots = chunk_offsets[:-1, None].long() + torch.arange(chunk_len, device=gb.device)
+    slots = slots.clamp_max(gb.shape[0] - 1)  # a last piece may be shorter; its row is not used
+    decay = gb[:, :, 0, CHUNK - 1][slots].flip(1).cumsum(1)  # [P, L, H_v]: gate sum of the last n chunks
+    below = decay < _WARMUP_LOG_DECAY
+    skip = chunk_len - 1 - below.int().argmax(1)
+    skip = torch.where(below.any(1) & exact, skip, -1)
+    return torch.where(last[:, None], _NO_CHUNKS, skip).to(torch.int32).contiguous()
+
+
+@compiled
+def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV):
+    """Initial state of every piece, ``h0p[p + 1] = M[p] h0p[p] + E[p]`` within each sequence.
+
+    Call as ``kernel(ht, mt, skip, seq_pieces, h0, h0p)``: ``ht`` = E and ``mt`` = M per piece (fp32, as
+    written by the transition kernel; M is read only where ``skip < 0``, elsewhere it counts as 0),
+    ``seq_pieces`` the first piece of each sequence, ``h0`` the sequences' initial states.
+    One CTA per (sequence, v-head, ``block_dv`` columns) walks that sequence's pieces.
+    """
+    n_p = T.dynamic("n_p")
+    n_seq1 = T.dynamic("n_seq1")
+    n_h0 = T.dynamic("n_h0")
+    h_v = T.dynamic("h_v")
+    BS, acc = block_dv, "float32"
+
+    @T.prim_func
+    def kernel(
+        ht: T.Tensor((n_p, h_v, dk, dv), acc),
+        mt: T.Tensor((n_p, h_v, dk, dk), acc),
+        skip: T.Tensor((n_p, h_v), "int32"),
+        seq_pieces: T.Tensor((n_seq1,), "int32"),
+        h0: T.Tensor((n_h0, h_v, dk, dv), acc),
+        h0p: T.Tensor((n_p, h_v, dk, dv), acc),
+    ):
+        with T.Kernel(n_seq1 - 1, h_v, dv // BS, threads=128) as (seq, hv, bs):
+            m_s = T.alloc_shared((dk, dk), acc)
+            st_s = T.alloc_shared((BS, dk), acc)  # S^T: the TF32 product wants both operands K-major
+            s_f = T.alloc_fragment((dk, BS), acc)
+            c0 = bs * BS
+            if has_h0:
+                T.copy(h0[seq, hv, :, c0 : c0 + BS], s_f)
+            else:
+                T.clear(s_f)
+            p0 = seq_pieces[seq]
+            p1 = seq_pieces[seq + 1]
+            for p in T.serial(p1 - p0):
+                T.copy(s_f, h0p[p0 + p, hv, :, c0 : c0 + BS])
+                if p0 + p + 1 < p1:
+                    if skip[p0 + p, hv] < 0:
+                        T.copy(mt[p0 + p, hv, :, :], m_s)
+                        for a, b in T.Parallel(dk, BS):
+                            st_s[b, a] = s_f[a, b]
+                        T.copy(ht[p0 + p, hv, :, c0 : c0 + BS], s_f)
+                        T.gemm(m_s, st_s, s_f, transpose_B=True)
+                    else:
+                        T.copy(ht[p0 + p, hv, :, c0 : c0 + BS], s_f)
+
+    return kernel
+
+
+def variants():
+    """``(kernel name, params)`` of every scan variant (K = V = 128)."""
+    return [("scan", dict(dk=128, dv=128, has_h0=has_h0)) for has_h0 in (True, False)]
