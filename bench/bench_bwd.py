@@ -39,11 +39,8 @@ def configs(quick):
     if quick:
         picks = [(2, 8, "1x8192"), (16, 64, "1x8192"), (16, 64, "8192x4"), (8, 32, "1024x8"), (16, 32, "8k_4seq")]
         return [c for c in configs(False) if c[:3] in picks]
-    out = [(hk, hv, s, parse_seqs(s)) for hk, hv in HEADS for s in SEQS]
-    for hk, hv in BWD_HEADS:
-        for total, n in BWD_SEQS:
-            out.append((hk, hv, f"{total // 1024}k_{n}seq", random_split(total, n)))
-    return out
+    out = [(hk, hv, f"{total // 1024}k_{n}seq", random_split(total, n)) for hk, hv in BWD_HEADS for total, n in BWD_SEQS]
+    return out + [(hk, hv, s, parse_seqs(s)) for hk, hv in HEADS for s in SEQS]
 
 
 def step_fn(impl, x, do, dht):
@@ -80,25 +77,25 @@ def main():
     impls = args.impls.split(",")
     rows = []
     os.makedirs(args.out, exist_ok=True)
-    for impl in impls:  # qla first: a run cut short still has its numbers
-        for hk, hv, name, lens in configs(args.quick):
-            if args.only and f"{hk}/{hv}:{name}" not in args.only.split(","):
-                continue
-            x = make_inputs(hk, hv, lens)
-            gen = torch.Generator(device="cuda").manual_seed(1)
-            do = torch.randn(x["v"].shape, device="cuda", generator=gen).to(x["v"].dtype)
-            dht = torch.randn(x["h0"].shape, device="cuda", generator=gen)
+    for hk, hv, name, lens in configs(args.quick):
+        if args.only and f"{hk}/{hv}:{name}" not in args.only.split(","):
+            continue
+        x = make_inputs(hk, hv, lens)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        do = torch.randn(x["v"].shape, device="cuda", generator=gen).to(x["v"].dtype)
+        dht = torch.randn(x["h0"].shape, device="cuda", generator=gen)
+        for impl in impls:  # every implementation on the same inputs, in the same run
             try:
-                ms = time_graph(step_fn(impl, x, do, dht))
+                ms = time_graph(step_fn(impl, x, do, dht), reps=10, rounds=3)
             except Exception as exc:  # report and keep going: one failing baseline must not void the run
                 print(f"{impl} {hk}/{hv} {name}: {type(exc).__name__}: {exc}", flush=True)
                 ms = None
             rows.append(dict(op="fwd+bwd", hk=hk, hv=hv, seqs=name, impl=impl, ms=ms))
             print(json.dumps(rows[-1]), flush=True)
-            with open(os.path.join(args.out, "latest-bwd.json"), "w") as f:
-                json.dump(rows, f, indent=1)
-            del x, do, dht
-            torch.cuda.empty_cache()
+        with open(os.path.join(args.out, "latest-bwd.json"), "w") as f:  # after every configuration
+            json.dump(rows, f, indent=1)
+        del x, do, dht
+        torch.cuda.empty_cache()
     table = ["| hk/hv | seqs | " + " | ".join(f"{i} ms" for i in impls) + " | qla vs fla | qla vs flashqla |",
              "|---|---|" + "---|" * (len(impls) + 2)]
     by = {}

@@ -69,10 +69,11 @@ def _tables(cu_seqlens, batch, seqlen, device):
     if cu_seqlens is None:
         steps = torch.arange(batch + 1, device=device, dtype=torch.int32)
         return steps * seqlen, steps * ((seqlen + gdr_fwd.CHUNK - 1) // gdr_fwd.CHUNK)
-    cu = cu_seqlens.to(device=device, dtype=torch.int32)
-    n_chunks = (cu[1:] - cu[:-1] + gdr_fwd.CHUNK - 1) // gdr_fwd.CHUNK
-    offsets = torch.zeros_like(cu)
-    torch.cumsum(n_chunks, 0, dtype=torch.int32, out=offsets[1:])
+    cu_in = cu_seqlens.to(device)
+    if cu_in.dtype not in (torch.int32, torch.int64):
+        cu_in = cu_in.to(torch.int32)
+    cu, offsets = torch.empty(2, cu_in.numel(), device=device, dtype=torch.int32)
+    gdr_fwd.seq_tables(cu_dtype=str(cu_in.dtype).removeprefix("torch."))(cu_in.contiguous(), cu, offsets)
     return cu, offsets
 
 

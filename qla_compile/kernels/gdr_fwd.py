@@ -191,6 +191,44 @@ def kkt_inverse(*, dk: int, dtype: str):
     return kernel
 
 
+_TABLE_BLOCK = 1024  # sequences per step of seq_tables' scan
+
+
+@compiled
+def seq_tables(*, cu_dtype: str):
+    """int32 ``cu_seqlens`` and ``chunk_offsets`` (exclusive cumsum of ceil(len / 64)) in one launch.
+
+    Call as ``kernel(cu_in, cu, chunk_offsets)`` with ``cu_in`` the caller's int32 or int64 bounds.
+    One CTA scans the sequences 1024 at a time (a handful of tiny torch ops would cost a launch each).
+    """
+    n_seq1 = T.dynamic("n_seq1")
+    B = _TABLE_BLOCK
+
+    @T.prim_func
+    def kernel(
+        cu_in: T.Tensor((n_seq1,), cu_dtype),
+        cu: T.Tensor((n_seq1,), "int32"),
+        chunk_offsets: T.Tensor((n_seq1,), "int32"),
+    ):
+        with T.Kernel(1, threads=B):
+            n_s = T.alloc_shared((B,), "int32")
+            tx = T.get_thread_binding()
+            base = T.alloc_var("int32", init=0)
+            for blk in T.serial(T.ceildiv(n_seq1, B)):
+                i = blk * B + tx
+                length = T.if_then_else((i >= 1) & (i < n_seq1), T.cast(cu_in[i] - cu_in[i - 1], "int32"), 0)
+                n_s[tx] = T.ceildiv(length, CHUNK)
+                T.cumsum(n_s)
+                if i < n_seq1:
+                    cu[i] = T.cast(cu_in[i], "int32")
+                    chunk_offsets[i] = base + n_s[tx]
+                base = base + n_s[B - 1]
+
+    return kernel
+
+
 def variants():
-    """``(kernel name, params)`` of every inverse variant the host entry point can launch (K = 128)."""
-    return [("kkt_inverse", dict(dk=128, dtype=dtype)) for dtype in ("bfloat16", "float16")]
+    """``(kernel name, params)`` of every inverse and table variant the host entry point can launch."""
+    return [("kkt_inverse", dict(dk=128, dtype=dtype)) for dtype in ("bfloat16", "float16")] + [
+        ("seq_tables", dict(cu_dtype=dtype)) for dtype in ("int32", "int64")
+    ]
