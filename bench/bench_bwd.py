@@ -96,22 +96,29 @@ def main():
             json.dump(rows, f, indent=1)
         del x, do, dht
         torch.cuda.empty_cache()
-    table = ["| hk/hv | seqs | " + " | ".join(f"{i} ms" for i in impls) + " | qla vs fla | qla vs flashqla |",
+    text = render(rows, impls)
+    print(text)
+    with open(os.path.join(args.out, f"{datetime.date.today().isoformat()}-bwd.md"), "w") as f:
+        f.write(text)
+
+
+def render(rows, impls, notes=(), vers=None):
+    """Markdown: ms per implementation and baseline time / qla time, per configuration (``vers``: the
+    versions of the machine that ran it, by default this one's)."""
+    table = ["| hk/hv | seqs | " + " | ".join(f"{i} ms" for i in impls) + " | fla/qla | flashqla/qla |",
              "|---|---|" + "---|" * (len(impls) + 2)]
     by = {}
     for r in rows:
         by.setdefault((r["hk"], r["hv"], r["seqs"]), {})[r["impl"]] = r["ms"]
     for (hk, hv, s), t in by.items():
         cells = [f"{t[i]:.3f}" if t.get(i) else "-" for i in impls]
-        ratio = [f"{t[b] / t['qla']:.2f}x" if t.get(b) and t.get("qla") else "-" for b in ("fla", "flashqla")]
+        ratio = [f"{t[b] / t['qla']:.2f}" if t.get(b) and t.get("qla") else "-" for b in ("fla", "flashqla")]
         table.append(f"| {hk}/{hv} | {s} | " + " | ".join(cells + ratio) + " |")
-    text = "\n".join(table)
-    print(text)
     date = datetime.date.today().isoformat()
-    with open(os.path.join(args.out, f"{date}-bwd.md"), "w") as f:
-        f.write(f"# fwd+bwd, {torch.cuda.get_device_name()}, {date}\n\nCUDA-graph medians (ms); ratios are "
-                "baseline time / qla time.\n\nVersions: " + ", ".join(f"{k} {v}" for k, v in versions().items())
-                + "\n\n" + text + "\n")
+    head = [f"# fwd+bwd, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'NVIDIA H200'}, {date}", "",
+            "CUDA-graph medians (ms) of forward + backward with h0 and dht; ratios are baseline time / qla time.", "",
+            "Versions: " + ", ".join(f"{k} {v}" for k, v in (vers or versions()).items()), ""]
+    return "\n".join(head + [line for note in notes for line in (note, "")] + table) + "\n"
 
 
 if __name__ == "__main__":

@@ -189,8 +189,8 @@ def render(rows, meta):
         "# Forward benchmark (CUDA-graph medians, ms)", "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), "",
         f"qla in a fresh process with a warm kernel cache: import + first call {meta['first_call_s']} s "
-        f"({meta.get('first_call_cold_s', '-')} s for the first process on a fresh machine, which also compiles "
-        "the Python bytecode of torch, tilelang and qla)", "",
+        f"({meta.get('first_call_cold_s', '-')} s in the first process on the machine)", "",
+        *[line for note in meta.get("notes", []) for line in (note, "")],
         "| H_qk/H_v | seqs | qla | FLA | FlashQLA | FlashInfer | FLA/qla | FlashQLA/qla | FlashInfer/qla |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -211,6 +211,10 @@ def render(rows, meta):
     if speedups:
         geo = torch.tensor(speedups).log().mean().exp().item()
         lines += ["", f"Geometric-mean speedup over FLA: {geo:.2f}x over {len(speedups)} configurations"]
+    filled = [t["flashqla"] / t["qla"] for (hk, hv, spec), t in by.items()
+              if "flashqla" in t and t.get("qla") and hv * len(parse_seqs(spec)) >= 64]
+    if filled:
+        lines += ["", f"FlashQLA/qla where H_v x sequences >= 64: min {min(filled):.2f}x over {len(filled)} configurations"]
     lines += ["", "## Checks (relative L2)", "", "```", json.dumps(meta["checks"], indent=1), "```", ""]
     return "\n".join(lines)
 
