@@ -61,8 +61,8 @@ def test_warmup_skip_matches_a_loop(cp):
     gb[:, :, 0, 63] = sums
     offs = torch.tensor([0, 8, 16, 24, 30, 38], dtype=torch.int32)
     last = torch.tensor([False, False, True, False, True])
-    for exact in (True, False):
-        skip = cp.warmup_skip(gb, offs, last, L, torch.tensor(exact))
+    for contractive in (True, False):
+        skip = cp.warmup_skip(gb, offs, last, L, torch.tensor(contractive))
         for p in range(5):
             for h in range(h_v):
                 if last[p]:
@@ -71,7 +71,17 @@ def test_warmup_skip_matches_a_loop(cp):
                     total, expect = 0.0, -1
                     for n in range(1, L + 1):  # the last n chunks of the piece
                         total += sums[offs[p] + L - n, h].item()
-                        if total < -10 and exact:
+                        if total < -10 and contractive:
                             expect = L - n
                             break
-                assert skip[p, h].item() == expect, (p, h, exact)
+                assert skip[p, h].item() == expect, (p, h, contractive)
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])
+def test_context_parallel_argument_is_checked(bad):
+    from qla_compile.kernels import _check_context_parallel
+
+    with pytest.raises(ValueError, match="context_parallel"):
+        _check_context_parallel(bad)
+    for good in (None, False, 1, 16):
+        _check_context_parallel(good)

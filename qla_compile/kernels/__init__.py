@@ -138,6 +138,13 @@ def _piece_tables(lens, chunks, device):
     return _PIECE_TABLES[key]
 
 
+def _check_context_parallel(context_parallel):
+    if context_parallel is not None and context_parallel is not False and (
+            isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1):
+        raise ValueError(f"context_parallel must be None (choose), False (never split) or a piece length in "
+                         f"64-token chunks >= 1, got {context_parallel!r}")
+
+
 def _piece_chunks(context_parallel, cu_seqlens, batch, seqlen, h_v, device):
     """(lengths, piece length in chunks) when the forward runs context-parallel, else None."""
     if context_parallel is False or (context_parallel is None and h_v > _CP_MAX_HEADS):
@@ -148,7 +155,7 @@ def _piece_chunks(context_parallel, cu_seqlens, batch, seqlen, h_v, device):
     if context_parallel is None:
         chunks = cp_fwd.piece_chunks(lens, h_v, torch.cuda.get_device_properties(device).multi_processor_count)
     else:
-        chunks = int(context_parallel)
+        chunks = context_parallel
     if chunks is None or max(lens) <= chunks * gdr_fwd.CHUNK or _piece_tables(lens, chunks, device) is None:
         return None
     return lens, chunks
@@ -168,8 +175,8 @@ def _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, lens, chunk
     last = tables[-n_p:].bool()
     # dropping a piece's transition M needs every per-token map I - beta k k^T to be a contraction
     k_sq = torch.linalg.vector_norm(k3, dim=-1, dtype=torch.float32).amax().square()
-    exact = (b2.amin() >= 0) & (b2.amax() * k_sq <= 2)
-    skip = cp_fwd.warmup_skip(gb, offsets, last, chunks, exact)
+    contractive = (b2.amin() >= 0) & (b2.amax() * k_sq <= 2)
+    skip = cp_fwd.warmup_skip(gb, offsets, last, chunks, contractive)
 
     f32 = dict(device=device, dtype=torch.float32)
     e, m = torch.empty(n_p, h_v, dk, dv, **f32), torch.empty(n_p, h_v, dk, dk, **f32)
@@ -202,6 +209,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     Tokens after ``cu_seqlens[-1]`` are not written.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    _check_context_parallel(context_parallel)
     B, T, h_qk, dk = q.shape
     h_v, dv = v.shape[2], v.shape[3]
     dtype = _DTYPES[q.dtype]

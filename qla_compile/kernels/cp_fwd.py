@@ -6,7 +6,7 @@ and gets every piece's initial state without walking the sequence:
 
 1. **Warm-up plan** (:func:`warmup_skip`, on the device): the state recurrence is affine per piece,
    ``S_end = M S_start + E``. For a head whose gate decays the state by more than e^-10 over the
-   piece's last chunks, ``M`` (whose norm is at most the decay when ``|k| <= 1`` and ``0 <= beta <= 2``)
+   piece's last chunks, ``M`` (whose norm is at most that decay when ``beta >= 0`` and ``beta |k|^2 <= 2``)
    is dropped and ``E`` is computed from a zero state over those last chunks only. Other heads run the
    whole piece and also form ``M`` (exact).
 2. ``fused_fwd.chunk_fwd_ws(transition=True)`` computes ``E`` (and ``M`` where needed) for every piece.
@@ -75,12 +75,13 @@ def pieces(lens, chunk_len: int):
     return cu, offs, seq_pieces, last
 
 
-def warmup_skip(gb, chunk_offsets, last, chunk_len: int, exact):
+def warmup_skip(gb, chunk_offsets, last, chunk_len: int, contractive):
     """Per (piece, v-head), the chunks the transition kernel skips (see ``chunk_fwd_ws``).
 
     ``gb``: the forward's ``[slots, H_v, 2, 64]`` gate table (row 0, column 63: the chunk's summed log
-    gate); ``chunk_offsets``: device int32 ``[P+1]``; ``last``: device bool ``[P]``; ``exact``: device
-    bool scalar, False forces M everywhere (the e^-10 bound needs ``|k| <= 1`` and ``0 <= beta <= 2``).
+    gate); ``chunk_offsets``: device int32 ``[P+1]``; ``last``: device bool ``[P]``; ``contractive``:
+    device bool scalar, whether every per-token map ``I - beta k k^T`` is a contraction (``beta >= 0``,
+    ``beta |k|^2 <= 2``), which the e^-10 bound needs; False forces M everywhere.
     A piece is skipped up to its last chunks whose gate sum drops below -10; -1 if it never does.
     """
     slots = chunk_offsets[:-1, None].long() + torch.arange(chunk_len, device=gb.device)
@@ -88,7 +89,7 @@ def warmup_skip(gb, chunk_offsets, last, chunk_len: int, exact):
     decay = gb[:, :, 0, CHUNK - 1][slots].flip(1).cumsum(1)  # [P, L, H_v]: gate sum of the last n chunks
     below = decay < _WARMUP_LOG_DECAY
     skip = chunk_len - 1 - below.int().argmax(1)
-    skip = torch.where(below.any(1) & exact, skip, -1)
+    skip = torch.where(below.any(1) & contractive, skip, -1)
     return torch.where(last[:, None], _NO_CHUNKS, skip).to(torch.int32).contiguous()
 
 
