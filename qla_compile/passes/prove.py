@@ -16,11 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-try:  # torch >= 2.13
-    from torch.fx.experimental.symbolic_shapes import optimization_hint as hint_int
-except ImportError:
-    from torch.fx.experimental.symbolic_shapes import hint_int
-
 from .. import ops
 from .dataflow import is_tensor, value
 from .regions import Region
@@ -64,6 +59,16 @@ def extract(gm: fx.GraphModule, region: Region) -> fx.GraphModule:
         env[node] = graph.node_copy(node, lambda a: env[a])
     graph.output(tuple(env[o] for o in region.outputs))
     return fx.GraphModule(gm, graph)
+
+
+def hint_int(x) -> int:
+    """The concrete value dynamo traced a size with. torch's helper is imported on first use: its module
+    pulls in sympy, which an eager ``import qla_compile`` should not pay for."""
+    try:  # torch >= 2.13
+        from torch.fx.experimental.symbolic_shapes import optimization_hint as hint
+    except ImportError:
+        from torch.fx.experimental.symbolic_shapes import hint_int as hint
+    return hint(x)
 
 
 def _shape(node) -> list[int]:
