@@ -155,12 +155,9 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     T.barrier_wait(vp_ready, j % 2)
                     T.gemm(kh_s, vp_s, s_f, transpose_A=True)
                     T.barrier_arrive(empty[st])
-                if transition:
-                    if is_m:
-                        if n_run > 0:
-                            T.copy(s_f, mt[seq, hv, :, v0 - dv : v0 - dv + BV])
-                    else:
-                        T.copy(s_f, ht[seq, hv, :, v0 : v0 + BV])
+                if is_m:  # M's columns, only where it was formed
+                    if n_run > 0:
+                        T.copy(s_f, mt[seq, hv, :, v0 - dv : v0 - dv + BV])
                 else:
                     T.copy(s_f, ht[seq, hv, :, v0 : v0 + BV])
 
