@@ -145,8 +145,9 @@ def _check_context_parallel(context_parallel):
                          f"64-token chunks >= 1, got {context_parallel!r}")
 
 
-def _piece_chunks(context_parallel, cu_seqlens, batch, seqlen, h_v, device):
-    """(lengths, piece length in chunks) when the forward runs context-parallel, else None."""
+def _cp_plan(context_parallel, cu_seqlens, batch, seqlen, h_v, device):
+    """(number of sequences, piece length in chunks, ``_piece_tables``) when the forward runs
+    context-parallel, else None."""
     if context_parallel is False or (context_parallel is None and h_v > _CP_MAX_HEADS):
         return None
     lens = _host_lengths(cu_seqlens, batch, seqlen)
@@ -156,22 +157,24 @@ def _piece_chunks(context_parallel, cu_seqlens, batch, seqlen, h_v, device):
         chunks = cp_fwd.piece_chunks(lens, h_v, torch.cuda.get_device_properties(device).multi_processor_count)
     else:
         chunks = context_parallel
-    if chunks is None or max(lens) <= chunks * gdr_fwd.CHUNK or _piece_tables(lens, chunks, device) is None:
+    if chunks is None or max(lens) <= chunks * gdr_fwd.CHUNK:
         return None
-    return lens, chunks
+    tables = _piece_tables(lens, chunks, device)
+    return None if tables is None else (len(lens), chunks, tables)
 
 
 def _block_dv(n_ctas, dv):
+    """The DV tile of the state kernels: all of V, or half of it when few CTAs would run."""
     return dv if n_ctas >= _FULL_DV_MIN_CTAS else dv // 2
 
 
-def _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, lens, chunks):
+def _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, n_seq, chunks, piece_tables):
     """The fused forward over pieces of ``chunks`` chunks, their initial states from ``cp_fwd``."""
     h_v, dk, dv = v3.shape[1], k3.shape[2], v3.shape[2]
     device = q3.device
-    n_p, tables = _piece_tables(lens, chunks, device)
+    n_p, tables = piece_tables
     cu, offsets = tables[: n_p + 1], tables[n_p + 1 : 2 * n_p + 2]
-    seq_pieces = tables[2 * n_p + 2 : 2 * n_p + 3 + len(lens)]
+    seq_pieces = tables[2 * n_p + 2 : 2 * n_p + 3 + n_seq]
     last = tables[-n_p:].bool()
     # dropping a piece's transition M needs every per-token map I - beta k k^T to be a contraction
     k_sq = torch.linalg.vector_norm(k3, dim=-1, dtype=torch.float32).amax().square()
@@ -234,7 +237,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     gb = torch.empty(n_slots, h_v, 2, gdr_fwd.CHUNK, device=q.device, dtype=torch.float32)
     gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g2, b2, cu, offsets, tt, gb)
 
-    cp = _piece_chunks(context_parallel, cu_seqlens, B, T, h_v, q.device)
+    cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device)
     if cp is not None:
         o, ht = _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, *cp)
         return o.view(B, T, h_v, dv), ht, tt, gb, offsets

@@ -35,13 +35,11 @@ the L2-normalised q, k before the kernels alone gives 2.3e-3 RMS.)
 import torch
 import tilelang.language as T
 
-from . import _DTYPES, _check, _tables, gdr_fwd
+from . import _DTYPES, _block_dv, _check, _tables, gdr_fwd
 from ._build import compiled
 
 CHUNK = gdr_fwd.CHUNK
 _LOG2E = 1.4426950408889634
-# Below this many (sequence, v-head) pairs the state recompute splits V in two to fill the SMs.
-_FULL_DV_MIN_CTAS = 88
 
 
 @compiled
@@ -526,7 +524,7 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
 
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty(1, h_v, dk, dv, device=dev)
-    block_dv = dv if n_seq * h_v >= _FULL_DV_MIN_CTAS else dv // 2
+    block_dv = _block_dv(n_seq * h_v, dv)  # the forward's rule: split V when few (sequence, head) pairs
     h = torch.empty(n_slots, h_v, dk, dv, device=dev, dtype=torch.float16)
     chunk_states(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=block_dv)(k3, v3, g2, b2, tt, cu, offsets, h0, h)
 
