@@ -63,7 +63,8 @@ def _gamma_times(gb_s, st, a, b, row_log2=0.0, col_log2=0.0):
 
 
 @compiled
-def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128, transition: bool = False):
+def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128, transition: bool = False,
+                 store_h: bool = False):
     """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, scale, o, ht)``.
 
     With ``transition`` (the context-parallel prologue, see ``cp_fwd``) it computes no output but, per
@@ -73,7 +74,12 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     run, from a zero state, and M is not formed (the caller has checked that the skipped chunks decay
     the state by less than e^-10); ``skip`` < 0 runs the whole piece and also forms M, as the DV slices
     past ``dv`` of an identity initial state with V = 0.
+
+    With ``store_h`` (the backward's state recompute) it computes no output but stores every chunk's
+    start state in fp16: ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, h)`` with
+    ``h[chunk_offsets[n] + j, hv]`` the state before chunk j of sequence n (q is not read).
     """
+    assert not (transition and store_h)
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
@@ -83,13 +89,14 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     C, BV = CHUNK, block_dv
     acc, half = "float32", "float16"
     n_slices = dv // BV + (dk // BV if transition else 0)
+    has_out = not (transition or store_h)
 
     @T.macro
-    def body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, skip, scale, o, ht, mt):
+    def body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, skip, scale, o, ht, mt, h):
         with T.Kernel(n_seq1 - 1, h_v, n_slices, threads=512) as (seq, hv, bv):
             T.import_source(_PTX)
             # two-stage input ring, filled by TMA
-            q_s = T.alloc_shared((2, C, dk), dtype)
+            q_s = T.alloc_shared((2, C, dk), dtype) if has_out else None
             k_s = T.alloc_shared((2, C, dk), dtype)
             v_s = T.alloc_shared((2, C, BV), dtype)
             tt_s = T.alloc_shared((2, C, C), half)  # T~, overwritten by A_g
@@ -99,7 +106,8 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             kh_s = T.alloc_shared((C, dk), half)  # r o K in fp16 for (r o K)^T V'
             w_s = T.alloc_shared((C, BV), half)  # W'
             vp_s = T.alloc_shared((C, BV), half)  # V'
-            p_s = T.alloc_shared((C, C), half)  # P_g
+            p_s = T.alloc_shared((C, C), half) if has_out else None  # P_g
+            hs_s = T.alloc_shared((dk, BV), half) if store_h else None  # S_i in fp16 for h
             rk_s = T.alloc_shared((C,), acc)  # r, 0 past the sequence end
 
             full = T.alloc_barrier([96, 96])  # 3 producer warps + TMA bytes
@@ -108,6 +116,9 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             s_free = T.alloc_barrier(256)  # WG1 and WG2 have read S_i
             vp_ready = T.alloc_barrier(128)  # WG1 wrote V' (WG0 and WG2 wait)
             vp_free = T.alloc_barrier(128)  # WG2 has read V'
+            if store_h:
+                h_ready = T.alloc_barrier(128)  # WG0 wrote hs_s
+                h_free = T.alloc_barrier(128)  # WG2's store has read hs_s
 
             hk = hv // (h_v // h_qk)
             v0 = bv * BV
@@ -143,6 +154,11 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     T.copy(s_f, s_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(s_ready)
+                    if store_h:
+                        T.barrier_wait(h_free, (j + 1) % 2)
+                        T.copy(s_f, hs_s)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(h_ready)
                     T.barrier_wait(full[st], (j // 2) % 2)
                     for r in T.Parallel(C):
                         rk_s[r] = _exp(gb_s[st, 0, C - 1] - gb_s[st, 0, r]) * T.cast(r < length, acc)
@@ -158,7 +174,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                 if is_m:  # M's columns, only where it was formed
                     if n_run > 0:
                         T.copy(s_f, mt[seq, hv, :, v0 - dv : v0 - dv + BV])
-                else:
+                elif not store_h:
                     T.copy(s_f, ht[seq, hv, :, v0 : v0 + BV])
 
             elif tx < 256:  # WG1: the delta rule
@@ -197,10 +213,14 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
 
             elif tx < 384:  # WG2: the output
                 T.set_max_nreg(_NREG[2], 1)
-                if transition:  # no output: only the hand-off protocol
+                if not has_out:  # no output: the hand-off protocol, and the h stores
                     for j in T.serial(n_run):
                         T.barrier_wait(s_ready, j % 2)
                         T.barrier_arrive(s_free)
+                        if store_h:
+                            T.barrier_wait(h_ready, j % 2)
+                            T.copy(hs_s, h[coff + i0 + j, hv, :, v0 : v0 + BV])
+                            T.barrier_arrive(h_free)
                         T.barrier_wait(vp_ready, j % 2)
                         T.barrier_arrive(vp_free)
                         T.barrier_arrive(empty[j % 2])
@@ -251,7 +271,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     start = bos + i * C
                     if tx < 416:
                         T.barrier_wait(empty[st], (j // 2 + 1) % 2)
-                        if not transition:
+                        if has_out:
                             T.tma_copy(q[start : start + C, hk, :], q_s[st, :, :], barrier=full[st])
                         T.tma_copy(k[start : start + C, hk, :], k_s[st, :, :], barrier=full[st])
                         T.barrier_arrive(full[st])
@@ -281,7 +301,23 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             ht: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
             mt: T.Tensor((n_seq1 - 1, h_v, dk, dk), acc),
         ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, None, skip, None, None, ht, mt)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, None, skip, None, None, ht, mt, None)
+
+    elif store_h:
+
+        @T.prim_func
+        def kernel(
+            q: T.Tensor((n_tok, h_qk, dk), dtype),
+            k: T.Tensor((n_tok, h_qk, dk), dtype),
+            v: T.Tensor((n_tok, h_v, dv), dtype),
+            tt: T.Tensor((n_chunk, h_v, C, C), half),
+            gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+            cu_seqlens: T.Tensor((n_seq1,), "int32"),
+            chunk_offsets: T.Tensor((n_seq1,), "int32"),
+            h0: T.Tensor((n_h0, h_v, dk, dv), acc),
+            h: T.Tensor((n_chunk, h_v, dk, dv), half),
+        ):
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, None, None, None, None, None, h)
 
     else:
 
@@ -299,7 +335,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             o: T.Tensor((n_tok, h_v, dv), dtype),
             ht: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
         ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, None, scale, o, ht, None)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, None, scale, o, ht, None, None)
 
     return kernel
 
@@ -317,4 +353,5 @@ def variants():
         for dtype in ("bfloat16", "float16")
         for block_dv in (128, 64)
     ]
-    return [("chunk_fwd_ws", params) for params in full + cp]
+    states = [dict(p, store_h=True) for p in full]
+    return [("chunk_fwd_ws", params) for params in full + cp + states]
