@@ -37,6 +37,7 @@ import tilelang.language as T
 
 from . import _DTYPES, _block_dv, _check, _tables, gdr_fwd
 from ._build import compiled
+from .fused_fwd import _PTX, _ex2, _exp
 
 CHUNK = gdr_fwd.CHUNK
 _LOG2E = 1.4426950408889634
@@ -267,9 +268,39 @@ def chunk_dstates(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, 
     return kernel
 
 
+def _gamma(gb_s, a, b):
+    """Gamma_ab = exp(gamma_a - gamma_b) for b <= a, else 0, as one SFU ex2 (``fused_fwd._gamma_times``'s
+    grouping: the row and column terms are loaded once per thread, the mask is added as -1e30)."""
+    x = gb_s[0, a] * _LOG2E - gb_s[0, b] * _LOG2E
+    return _ex2(x + T.Select(b <= a, T.float32(0), T.float32(-1e30)))
+
+
+@T.macro
+def _reduce_scatter(vals, lane, m, half):
+    """Sum ``vals[:2 half]`` with lane ``lane ^ m``, keeping ``vals[:half]``: the lower half of the columns in
+    the lane with bit m clear, the upper half in the other (each lane sends the half it does not keep)."""
+    for u in T.unroll(half):
+        up = (lane // m) % 2 == 1
+        send = T.if_then_else(up, vals[u], vals[u + half])
+        vals[u] = T.if_then_else(up, vals[u + half], vals[u]) + T.shfl_xor(send, m)
+
+
+def _ysw(i, j):
+    """Column of Y[i, j] in y_s: 4-float groups XOR-swizzled by row, so that a warp reading one 4-float group
+    from each of 32 rows hits every bank once per 8 rows."""
+    return T.bitwise_xor(j // 4, i % 8) * 4 + j % 4
+
+
 @compiled
 def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
-    """Per (chunk, v-head), given S and dS' of the chunk: dq, dk (per v-head), dv, dg, dbeta."""
+    """Per (chunk, v-head), given S and dS' of the chunk: dq, dk (per v-head), dv, dg, dbeta.
+
+    Call as ``kernel(q, k, v, do, tt, gb, h, dh, sd, cu_seqlens, chunk_offsets, scale, dq, dk, dv, dg, dbeta)``
+    with ``tt``, ``gb`` from ``gdr_fwd.kkt_inverse`` (gamma and the masked beta of the chunk). Every input
+    tile is TMA-loaded against one mbarrier (h too in fp16; in bf16 its conversion copy runs while the
+    TMA loads are in flight); rows of a partial chunk past the sequence end are zeroed in shared memory.
+    dv is staged over dV' and stored as one tile (by rows when the chunk is partial).
+    """
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
@@ -277,6 +308,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
     h_v = T.dynamic("h_v")
     C = CHUNK
     acc = "float32"
+    half = "float16"
     assert dk == 2 * C, "the <dS', S> row sums fold onto the chunk rows in pairs"
 
     @T.prim_func
@@ -285,10 +317,9 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
         k: T.Tensor((n_tok, h_qk, dk), dtype),
         v: T.Tensor((n_tok, h_v, dv), dtype),
         do: T.Tensor((n_tok, h_v, dv), dtype),
-        g: T.Tensor((h_v, n_tok), acc),
-        beta: T.Tensor((h_v, n_tok), acc),
-        tt: T.Tensor((n_chunk, h_v, C, C), "float16"),
-        h: T.Tensor((n_chunk, h_v, dk, dv), "float16"),
+        tt: T.Tensor((n_chunk, h_v, C, C), half),
+        gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+        h: T.Tensor((n_chunk, h_v, dk, dv), half),
         dh: T.Tensor((n_chunk, h_v, dk, dv), dtype),
         sd: T.Tensor((n_chunk, h_v, 2, dk), acc),
         cu_seqlens: T.Tensor((n_seq1,), "int32"),
@@ -301,6 +332,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
         db_out: T.Tensor((h_v, n_tok), acc),
     ):
         with T.Kernel(n_chunk, h_v, threads=threads) as (chunk, hv):
+            T.import_source(_PTX)
             q_s = T.alloc_shared((C, dk), dtype)
             k_s = T.alloc_shared((C, dk), dtype)
             v_s = T.alloc_shared((C, dv), dtype)  # V, then e o U0, then dU0
@@ -309,21 +341,21 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             ds_s = T.alloc_shared((dk, dv), dtype)  # dS'
             w_s = T.alloc_shared((C, dv), dtype)  # W'
             vn_s = T.alloc_shared((C, dv), dtype)
-            dvn_s = T.alloc_shared((C, dv), dtype)
+            dvn_s = T.alloc_shared((C, dv), dtype)  # dV', then dv (staged for the store)
             tt_s = T.alloc_shared((C, C), dtype)  # T~ in the GEMM dtype (fp16 values read from tt)
             a_s = T.alloc_shared((C, C), dtype)  # A_g, then T~^T dT~, then dQK
             p_s = T.alloc_shared((C, C), dtype)  # P_g, then dT~, then beta o dL
-            y_s = T.alloc_shared((C, C), acc)  # Y, then its row-wise inclusive cumsum
-            g_s = T.alloc_shared((C,), acc)
-            b_s = T.alloc_shared((C,), acc)
-            gam_s = T.alloc_shared((C,), acc)
+            y_s = T.alloc_shared((C, C), acc)  # the fp16 T~ (TMA), then Y (columns swizzled by _ysw)
+            tt16 = T.view(y_s, (2, C, C), half)  # [0]: T~ as loaded, until Y is written
+            gb_s = T.alloc_shared((2, C), acc)  # [gamma; beta]
+            sd_s = T.alloc_shared((2, dk), acc)
             e_s = T.alloc_shared((C,), acc)
             r_s = T.alloc_shared((C,), acc)
             de_s = T.alloc_shared((C,), acc)
             dr_s = T.alloc_shared((C,), acc)
             db_s = T.alloc_shared((C,), acc)
             db2_s = T.alloc_shared((C,), acc)
-            sd_s = T.alloc_shared((dk,), acc)
+            bar = T.alloc_barrier(threads)
             b1_f = T.alloc_fragment((C, dv), acc)
             b2_f = T.alloc_fragment((C, dv), acc)
             dk_f = T.alloc_fragment((C, dk), acc)
@@ -334,9 +366,9 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             deq_f = T.alloc_fragment((C,), acc)
             db1_f = T.alloc_fragment((C,), acc)
             db2_f = T.alloc_fragment((C,), acc)
-            dg_f = T.alloc_fragment((C,), acc)
+            yr = T.alloc_local((16,), acc)
 
-            hk = hv // (h_v // h_qk)
+            hk = T.alloc_var("int32", init=hv // (h_v // h_qk))  # once, not per access
             n_seq = n_seq1 - 1
             if chunk < chunk_offsets[n_seq]:  # slots past the last chunk are unused
                 # the owning sequence: the largest s with chunk_offsets[s] <= chunk
@@ -352,15 +384,22 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                 ci = chunk - chunk_offsets[seq]
                 start = cu_seqlens[seq] + ci * C
                 length = T.min(cu_seqlens[seq + 1] - start, C)
-                T.copy(q[start : start + C, hk, :], q_s)
-                T.copy(k[start : start + C, hk, :], k_s)
-                T.copy(v[start : start + C, hv, :], v_s)
-                T.copy(do[start : start + C, hv, :], do_s)
-                T.copy(h[chunk, hv, :, :], s_s)
-                T.copy(dh[chunk, hv, :, :], ds_s)
-                T.copy(g[hv, start : start + C], g_s)
-                T.copy(beta[hv, start : start + C], b_s)
-                if length < C:  # rows past the sequence's end are zero
+                # every input tile in flight at once; rows past n_tok are zero-filled by the TMA unit
+                T.tma_copy(q[start : start + C, hk, :], q_s, barrier=bar)
+                T.tma_copy(k[start : start + C, hk, :], k_s, barrier=bar)
+                T.tma_copy(v[start : start + C, hv, :], v_s, barrier=bar)
+                T.tma_copy(do[start : start + C, hv, :], do_s, barrier=bar)
+                T.tma_copy(dh[chunk, hv, :, :], ds_s, barrier=bar)
+                T.tma_copy(tt[chunk, hv, :, :], tt16[0, :, :], barrier=bar)
+                T.tma_copy(gb[chunk, hv, :, :], gb_s, barrier=bar)
+                T.tma_copy(sd[chunk, hv, :, :], sd_s, barrier=bar)
+                if dtype == half:
+                    T.tma_copy(h[chunk, hv, :, :], s_s, barrier=bar)
+                T.barrier_arrive(bar)
+                if dtype != half:
+                    T.copy(h[chunk, hv, :, :], s_s)  # fp16 -> bf16 while the TMA loads are in flight
+                T.barrier_wait(bar, 0)
+                if length < C:  # rows past the sequence's end are zero (gb has g = beta = 0 there)
                     for i, d in T.Parallel(C, dk):
                         q_s[i, d] = T.if_then_else(i < length, q_s[i, d], T.cast(0, dtype))
                         k_s[i, d] = T.if_then_else(i < length, k_s[i, d], T.cast(0, dtype))
@@ -368,22 +407,17 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                         v_s[i, d] = T.if_then_else(i < length, v_s[i, d], T.cast(0, dtype))
                         do_s[i, d] = T.if_then_else(i < length, do_s[i, d], T.cast(0, dtype))
                 for i in T.Parallel(C):
-                    gam_s[i] = T.if_then_else(i < length, g_s[i], T.float32(0))
-                    b_s[i] = T.if_then_else(i < length, b_s[i], T.float32(0))
-                T.cumsum(gam_s, dim=0)
-                for i in T.Parallel(C):
-                    e_s[i] = T.exp2(gam_s[i] * _LOG2E)
-                    r_s[i] = T.exp2((gam_s[C - 1] - gam_s[i]) * _LOG2E)
-                # <dS', S> row sums for the gamma_C term (from chunk_dstates, both DV slices)
-                for a in T.Parallel(dk):
-                    sd_s[a] = sd[chunk, hv, 0, a] + sd[chunk, hv, 1, a]
-                # P_g = scale Gamma o Q K^T and A_g = Gamma o T~ o beta_col
+                    e_s[i] = _exp(gb_s[0, i])
+                    r_s[i] = _exp(gb_s[0, C - 1] - gb_s[0, i])
+                # P_g = scale Gamma o Q K^T and A_g = Gamma o T~ o beta_col (stmatrix stores)
                 T.gemm(q_s, k_s, s1_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
-                    gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
-                    p_s[i, j] = T.cast(scale * gm * s1_f[i, j], dtype)
-                    a_s[i, j] = T.cast(gm * T.cast(tt[chunk, hv, i, j], acc) * b_s[j], dtype)
-                    tt_s[i, j] = T.cast(tt[chunk, hv, i, j], dtype)
+                    gm = _gamma(gb_s, i, j)
+                    s2_f[i, j] = gm * T.cast(tt16[0, i, j], acc) * gb_s[1, j]
+                    s1_f[i, j] = scale * gm * s1_f[i, j]
+                T.copy(s1_f, p_s)
+                T.copy(s2_f, a_s)
+                T.copy(tt16[0, :, :], tt_s)
                 # W' = V - e o U0 (v_s keeps e o U0);  V' = A_g W'
                 T.gemm(k_s, s_s, b1_f, clear_accum=True)
                 for i, d in T.Parallel(C, dv):
@@ -404,24 +438,34 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                 T.gemm(vn_s, ds_s, dk_f, transpose_B=True, clear_accum=True)
                 for i, d in T.Parallel(C, dk):
                     dk_f[i, d] = r_s[i] * dk_f[i, d]
-                # dv = dW' = A_g^T dV';  de -= rowsum(e o U0 o dW');  v_s <- dU0 = -e o dW'
+                # dv = dW' = A_g^T dV';  dA = dV' W'^T (both GEMMs read dV', then dv is staged over it)
                 T.gemm(a_s, dvn_s, b1_f, transpose_A=True, clear_accum=True)
+                T.gemm(dvn_s, w_s, s1_f, transpose_B=True, clear_accum=True)
+                T.copy(b1_f, dvn_s)
+                T.fence_proxy_async()
+                if length == C:
+                    T.copy(dvn_s, dv_out[start : start + C, hv, :])
+                else:
+                    for i, d in T.Parallel(C, dv):
+                        if i < length:
+                            dv_out[start + i, hv, d] = dvn_s[i, d]
+                # de -= rowsum(e o U0 o dW');  v_s <- dU0 = -e o dW'
                 for i, d in T.Parallel(C, dv):
-                    if i < length:
-                        dv_out[start + i, hv, d] = T.cast(b1_f[i, d], dtype)
                     b2_f[i, d] = T.cast(v_s[i, d], acc) * b1_f[i, d]
                 T.reduce_sum(b2_f, deu_f, dim=1)
                 for i, d in T.Parallel(C, dv):
                     v_s[i, d] = T.cast(-e_s[i] * b1_f[i, d], dtype)
-                # dA = dV' W'^T: dbeta_j += sum_i dA o Gamma o T~; dT~ = dA o Gamma o beta_col; Y = dA o A_g
-                T.gemm(dvn_s, w_s, s1_f, transpose_B=True, clear_accum=True)
+                # dbeta_j += sum_i dA o Gamma o T~;  dT~ = dA o Gamma o beta_col (p_s);  Y = dA o A_g
                 for i, j in T.Parallel(C, C):
-                    gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
-                    s2_f[i, j] = s1_f[i, j] * gm * T.cast(tt[chunk, hv, i, j], acc)
-                    y_s[i, j] = s2_f[i, j] * b_s[j]
-                    p_s[i, j] = T.cast(s1_f[i, j] * gm * b_s[j], dtype)
+                    gm = _gamma(gb_s, i, j)
+                    s2_f[i, j] = s1_f[i, j] * gm * T.cast(tt16[0, i, j], acc)
+                    s1_f[i, j] = s1_f[i, j] * gm * gb_s[1, j]
+                T.copy(s1_f, p_s)
                 T.reduce_sum(s2_f, db1_f, dim=0)
                 T.copy(db1_f, db_s)
+                T.sync_threads()  # every thread has read the fp16 T~ (tt16 is y_s's memory)
+                for i, j in T.Parallel(C, C):
+                    y_s[i, _ysw(i, j)] = s2_f[i, j] * gb_s[1, j]
                 # dL = -(T~^T dT~ T~^T) strictly lower;  dbeta_i += rowsum(dL o K K^T);  p_s <- beta o dL
                 T.gemm(tt_s, p_s, s1_f, transpose_A=True, clear_accum=True)
                 T.copy(s1_f, a_s)
@@ -430,7 +474,8 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                 for i, j in T.Parallel(C, C):
                     dl = T.if_then_else(j < i, -s1_f[i, j], T.float32(0))
                     s2_f[i, j] = dl * s2_f[i, j]
-                    p_s[i, j] = T.cast(b_s[i] * dl, dtype)
+                    s1_f[i, j] = gb_s[1, i] * dl
+                T.copy(s1_f, p_s)
                 T.reduce_sum(s2_f, db2_f, dim=1)
                 T.copy(db2_f, db2_s)
                 T.gemm(p_s, k_s, dk_f)
@@ -439,9 +484,9 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                 T.gemm(do_s, vn_s, s1_f, transpose_B=True, clear_accum=True)
                 T.gemm(q_s, k_s, s2_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
-                    gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
-                    a_s[i, j] = T.cast(scale * gm * s1_f[i, j], dtype)
-                    y_s[i, j] += scale * gm * s1_f[i, j] * s2_f[i, j]
+                    s1_f[i, j] = scale * _gamma(gb_s, i, j) * s1_f[i, j]
+                    y_s[i, _ysw(i, j)] += s1_f[i, j] * s2_f[i, j]
+                T.copy(s1_f, a_s)
                 # dq = scale e o (dO S^T) + dQK K;  de += rowsum(q o scale e o dO S^T)
                 T.gemm(do_s, s_s, b1_f, transpose_B=True, clear_accum=True)
                 for i, d in T.Parallel(C, dk):
@@ -456,20 +501,49 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     if i < length:
                         dq_out[start + i, hv, d] = b1_f[i, d]
                         dk_out[start + i, hv, d] = dk_f[i, d]
+                # dg_t = sum_s M_st, M_st = [s >= t] (de_s + left_st) + [s < t] dr_s + a (sd_s + sd_{s+C}) with
+                # left_st = sum_{j<t} Y_sj; the a <dS', S> term is folded into de_s and dr_s.
                 for i in T.Parallel(C):
-                    de_s[i] = deq_f[i] - deu_f[i]
-                # dg_t = sum_s M_st with M_st = [s >= t] (de_s + sum_{j<t} Y_sj) + [s < t] dr_s + a (sd_s + sd_{s+C})
-                T.cumsum(y_s, dim=1)
-                for i, j in T.Parallel(C, C):
-                    left = T.if_then_else(j > 0, y_s[i, T.max(j - 1, 0)], T.float32(0))
-                    s1_f[i, j] = e_s[C - 1] * (sd_s[i] + sd_s[i + C]) + T.if_then_else(
-                        i >= j, de_s[i] + left, dr_s[i]
-                    )
-                T.reduce_sum(s1_f, dg_f, dim=0)
-                for i in T.Parallel(C):
-                    if i < length:
-                        dg_out[hv, start + i] = dg_f[i]
-                        db_out[hv, start + i] = db_s[i] + db2_s[i]
+                    sda = e_s[C - 1] * ((sd_s[0, i] + sd_s[1, i]) + (sd_s[0, i + C] + sd_s[1, i + C]))
+                    de_s[i] = sda + (deq_f[i] - deu_f[i])
+                    dr_s[i] = sda + dr_s[i]
+                T.sync_threads()
+                # thread (row i = tx % 64, column quarter qq = tx // 64): its 16 Y values, their prefix sums, and the
+                # row sums of the quarters to its left
+                tx = T.get_thread_binding()
+                ii = tx % C
+                qq = tx // C
+                for v4 in T.unroll(4):
+                    for c in T.vectorized(4):
+                        yr[v4 * 4 + c] = y_s[ii, T.bitwise_xor(qq * 4 + v4, ii % 8) * 4 + c]
+                for kk in T.unroll(1, 16):
+                    yr[kk] = yr[kk - 1] + yr[kk]
+                # y_s is read: its rows 0-3 take the quarter sums (tq), rows 4-5 the column sums per half of the rows
+                T.sync_threads()
+                y_s[qq, ii] = yr[15]
+                T.sync_threads()
+                off = T.alloc_var(acc, init=T.float32(0))
+                for qb in T.unroll(3):
+                    off = off + T.if_then_else(qb < qq, y_s[qb, ii], T.float32(0))
+                # M_it for t = 16 qq + kk (yr[kk - 1] is the inclusive prefix: left = off + yr[kk - 1])
+                for kr in T.unroll(16):  # descending: yr[kk - 1] is still the prefix
+                    kk = 15 - kr
+                    left = off + T.if_then_else(kk > 0, yr[T.max(kk - 1, 0)], T.float32(0))
+                    yr[kk] = T.if_then_else(ii >= qq * 16 + kk, de_s[ii] + left, dr_s[ii])
+                # sum over the 32 rows of this warp: reduce-scatter, halving the 16 columns per step
+                lane = tx % 32
+                _reduce_scatter(yr, lane, 16, 8)
+                _reduce_scatter(yr, lane, 8, 4)
+                _reduce_scatter(yr, lane, 4, 2)
+                _reduce_scatter(yr, lane, 2, 1)
+                yr[0] = yr[0] + T.shfl_xor(yr[0], 1)
+                # lane pair (2 k, 2 k + 1) holds column t = 16 qq + k of this warp's 32 rows
+                if lane % 2 == 0:
+                    y_s[4 + (tx // 32) % 2, qq * 16 + lane // 2] = yr[0]
+                T.sync_threads()
+                if tx < length:
+                    dg_out[hv, start + tx] = y_s[4, tx] + y_s[5, tx]
+                    db_out[hv, start + tx] = db_s[tx] + db2_s[tx]
 
     return kernel
 
@@ -543,7 +617,7 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     dvo = torch.zeros_like(v3)
     dg = torch.zeros(h_v, n_tok, **f32)
     db = torch.zeros(h_v, n_tok, **f32)
-    chunk_grads(dk=dk, dv=dv, dtype=dtype)(q3, k3, v3, do3, g2, b2, tt, h, dh, sd, cu, offsets, float(scale),
+    chunk_grads(dk=dk, dv=dv, dtype=dtype)(q3, k3, v3, do3, tt, gb, h, dh, sd, cu, offsets, float(scale),
                                            dq, dkh, dvo, dg, db)
 
     groups = h_v // h_qk
