@@ -47,7 +47,7 @@ def step_fn(impl, x, do, dht):
     q, k, v, g, beta, h0, cu, scale = (x[n] for n in ("q", "k", "v", "g", "beta", "h0", "cu", "scale"))
     if impl == "qla":
         from qla_compile.kernels import chunk_gdr_fwd_hopper
-        from qla_compile.kernels.gdr_bwd import chunk_gdr_bwd_hopper
+        from qla_compile.kernels.backward import chunk_gdr_bwd_hopper
 
         def step():
             chunk_gdr_fwd_hopper(q, k, v, g, beta, scale, h0, cu)

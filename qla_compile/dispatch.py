@@ -62,7 +62,7 @@ def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
     if select(q, k, v) == "reference":
         return chunk_gdr_bwd_reference(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
     kernels = _kernels()
-    from .kernels.gdr_bwd import chunk_gdr_bwd_hopper
+    from .kernels.backward import chunk_gdr_bwd_hopper
 
     qa, ka = (kernels._l2norm(q), kernels._l2norm(k)) if opts.use_qk_l2norm_in_kernel else (q, k)
     ga, ba = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)

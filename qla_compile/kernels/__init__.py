@@ -168,8 +168,9 @@ def _block_dv(n_ctas, dv):
     return dv if n_ctas >= _FULL_DV_MIN_CTAS else dv // 2
 
 
-def _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, n_seq, chunks, piece_tables):
-    """The fused forward over pieces of ``chunks`` chunks, their initial states from ``cp_fwd``."""
+def _piece_initial_states(q3, k3, v3, b2, tt, gb, initial_state, dtype, n_seq, chunks, piece_tables):
+    """Every piece's initial state from ``cp_fwd``: ``(cu, chunk_offsets, seq_pieces, h0p, block_dv)``
+    of the pieces, h0p fp32 ``[P, H_v, K, V]``."""
     h_v, dk, dv = v3.shape[1], k3.shape[2], v3.shape[2]
     device = q3.device
     n_p, tables = piece_tables
@@ -190,11 +191,37 @@ def _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, n_seq, chun
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else e[:1]
     h0p = torch.empty(n_p, h_v, dk, dv, **f32)
     cp_fwd.scan(dk=dk, dv=dv, has_h0=has_h0)(e, m, skip, seq_pieces, h0, h0p)
+    return cu, offsets, seq_pieces, h0p, bv
+
+
+def _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, n_seq, chunks, piece_tables):
+    """The fused forward over pieces of ``chunks`` chunks, their initial states from ``cp_fwd``."""
+    cu, offsets, seq_pieces, h0p, bv = _piece_initial_states(
+        q3, k3, v3, b2, tt, gb, initial_state, dtype, n_seq, chunks, piece_tables)
     o = torch.empty_like(v3)
-    ht = torch.empty(n_p, h_v, dk, dv, **f32)
-    fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=True, block_dv=bv)(
+    ht = torch.empty_like(h0p)
+    fused_fwd.chunk_fwd_ws(dk=k3.shape[2], dv=v3.shape[2], dtype=dtype, has_h0=True, block_dv=bv)(
         q3, k3, v3, tt, gb, cu, offsets, h0p, float(scale), o, ht)
     return o, ht.index_select(0, seq_pieces[1:].long() - 1)
+
+
+def chunk_states(q3, k3, v3, b2, tt, gb, cu, offsets, initial_state, dtype, cp):
+    """Every chunk-start state of the forward recurrence, fp16 ``[n_slots, H_v, K, V]`` (slot numbering
+    of ``offsets``), by the fused forward in its ``store_h`` mode; context-parallel when ``cp`` (a
+    ``_cp_plan``) is given."""
+    n_slots, h_v, dk, dv = tt.shape[0], v3.shape[1], k3.shape[2], v3.shape[2]
+    h = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=torch.float16)
+    if cp is not None:
+        cu, offsets, _, h0, bv = _piece_initial_states(q3, k3, v3, b2, tt, gb, initial_state, dtype, *cp)
+        has_h0 = True
+    else:
+        has_h0 = initial_state is not None
+        h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty(
+            1, h_v, dk, dv, device=q3.device, dtype=torch.float32)
+        bv = _block_dv((cu.numel() - 1) * h_v, dv)
+    fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=bv, store_h=True)(
+        q3, k3, v3, tt, gb, cu, offsets, h0, h)
+    return h
 
 
 def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,

@@ -14,9 +14,9 @@ NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 def _hopper():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
-    from qla_compile.kernels import gdr_bwd
+    from qla_compile.kernels import backward
 
-    return gdr_bwd
+    return backward
 
 
 def _case(B, T, H, HV, dtype, cu_seqlens, h0, dht, seed):
@@ -41,9 +41,10 @@ def _oracle(kw, do, dht, scale):
     return [leaves[n].grad if n in leaves else None for n in names] + [None] * (6 - len(names))
 
 
-def _run(gdr_bwd, kw, do, dht, scale):
+def _run(gdr_bwd, kw, do, dht, scale, **options):
     return gdr_bwd.chunk_gdr_bwd_hopper(
         do, dht, kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale, kw.get("initial_state"), kw.get("cu_seqlens"),
+        **options,
     )
 
 
@@ -57,16 +58,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_gradients_match_oracle(case):
+def _check_case(case, params, **options):
     gdr_bwd = _hopper()
-    B, T, H, HV, dtype, cu, h0, has_dht = CASES[case]
+    B, T, H, HV, dtype, cu, h0, has_dht = params
     kw, do, dht = _case(B, T, H, HV, dtype, cu, h0, has_dht, seed=len(case) * 7919 + torch.seed() % 1000)
     if "cu_seqlens" in kw:
         kw["cu_seqlens"] = kw["cu_seqlens"].cuda()
     scale = 0.3 if case == "dense-scale" else 128**-0.5
     ref = _oracle(kw, do, dht, scale)
-    got = _run(gdr_bwd, kw, do, dht, scale)
+    got = _run(gdr_bwd, kw, do, dht, scale, **options)
     errs = {}
     for name, x, r in zip(NAMES, got, ref):
         if r is None:
@@ -77,6 +77,23 @@ def test_gradients_match_oracle(case):
         errs[name] = rel_err(x, r)
     print(case, {n: f"{e:.2e}" for n, e in errs.items()})
     assert all(e <= TOL for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradients_match_oracle(case):
+    _check_case(case, CASES[case])
+
+
+CP_CASES = {
+    # the state recompute cut into pieces of 2 chunks (128 tokens): warm-up and exact transitions
+    "cp-varlen-gva-h0-dht": (1, 1100, 2, 4, torch.bfloat16, [0, 400, 401, 1100], True, True),
+    "cp-dense-fp16": (2, 700, 1, 2, torch.float16, None, False, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CP_CASES))
+def test_gradients_context_parallel(case):
+    _check_case(case, CP_CASES[case], context_parallel=2)
 
 
 def test_deterministic():

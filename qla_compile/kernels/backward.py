@@ -1,0 +1,90 @@
+"""Host entry point of the GDN chunked backward on SM90: :func:`chunk_gdr_bwd_hopper`.
+
+Pipeline (one packed token stream, chunks numbered as in ``gdr_fwd``; notation in ``gdr_bwd``):
+
+1. ``gdr_fwd.kkt_inverse`` -- T~ and [gamma; beta] per chunk (the forward's kernel).
+2. ``kernels.chunk_states`` -- every chunk-start state S in fp16 by the fused forward in its
+   ``store_h`` mode, context-parallel under the forward's rule.
+3. ``fused_bwd.chunk_dstates_ws`` -- the reverse recurrence of dS, storing each chunk's incoming dS'
+   (input dtype), dh0 and the row sums of dS' o S that dg's gamma_C term needs.
+4. ``gdr_bwd.chunk_grads`` -- per (chunk, v-head), all chunks in parallel: dq, dk (per v-head, fp32),
+   dv, dg and dbeta.
+5. dq, dk summed over each GVA group (torch).
+"""
+
+import torch
+
+from . import _DTYPES, _block_dv, _check, _check_context_parallel, _cp_plan, _tables, chunk_states, fused_bwd, gdr_bwd, gdr_fwd
+
+CHUNK = gdr_fwd.CHUNK
+
+
+def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
+                         context_parallel=None):
+    """GDN chunked backward on SM90: ``(dq, dk, dv, dg, dbeta, dh0)``.
+
+    Inputs as for ``chunk_gdr_fwd_hopper`` with the activations already applied: q, k ``[B,T,H_qk,K]``
+    (L2-normalised if that option is on), v and do ``[B,T,H_v,V]`` (bf16/fp16, one dtype), g ``[B,T,H_v]``
+    the activated log gate (<= 0), beta ``[B,T,H_v]`` activated; dht and initial_state fp32 ``[N,H_v,K,V]``
+    or None; cu_seqlens ``[N+1]`` (B == 1) or None; ``context_parallel`` as for the forward (it splits
+    the state recompute). dq, dk, dv come back in q's dtype, dg and dbeta in g's and beta's dtypes, dh0
+    fp32 (None without an initial state). Tokens past ``cu_seqlens[-1]`` get zero gradients.
+    """
+    _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    _check_context_parallel(context_parallel)
+    B, T_, h_qk, dk = q.shape
+    h_v, dv = v.shape[2], v.shape[3]
+    dtype = _DTYPES[q.dtype]
+    n_tok = B * T_
+    dev = q.device
+    if n_tok == 0:  # nothing to launch; dh0 is dht passed straight through
+        dh0 = None
+        if initial_state is not None:
+            dh0 = torch.zeros_like(initial_state, dtype=torch.float32) if dht is None else dht.float().clone()
+        return tuple(torch.zeros_like(x) for x in (q, k, v, g, beta)) + (dh0,)
+    q3 = q.reshape(n_tok, h_qk, dk).contiguous()
+    k3 = k.reshape(n_tok, h_qk, dk).contiguous()
+    v3 = v.reshape(n_tok, h_v, dv).contiguous()
+    do3 = do.reshape(n_tok, h_v, dv).to(v.dtype).contiguous()
+    g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
+    b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
+    cu, offsets = _tables(cu_seqlens, B, T_, dev)
+    n_seq = cu.numel() - 1
+    n_slots = n_tok // CHUNK + n_seq
+
+    tt = torch.empty(n_slots, h_v, CHUNK, CHUNK, device=dev, dtype=torch.float16)
+    gb = torch.empty(n_slots, h_v, 2, CHUNK, device=dev, dtype=torch.float32)
+    gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g_tok, b_tok, cu, offsets, tt, gb)
+    cp = _cp_plan(context_parallel, cu_seqlens, B, T_, h_v, dev)
+    h = chunk_states(q3, k3, v3, b_tok, tt, gb, cu, offsets, initial_state, dtype, cp)
+
+    f32 = dict(device=dev, dtype=torch.float32)
+    has_h0, has_dht = initial_state is not None, dht is not None
+    dht_ = dht.to(torch.float32).contiguous() if has_dht else torch.empty(1, h_v, dk, dv, **f32)
+    dh = torch.empty(n_slots, h_v, dk, dv, device=dev, dtype=q.dtype)
+    dh0 = torch.empty(n_seq, h_v, dk, dv, **f32)
+    block_dv = _block_dv(n_seq * h_v, dv)
+    sd = (torch.empty if block_dv < dv else torch.zeros)(n_slots, h_v, 2, dk, **f32)
+    fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
+        q3, k3, do3, tt, gb, h, cu, offsets, dht_, float(scale), dh, dh0, sd)
+
+    # dq, dk per v-head: rows past cu_seqlens[-1] stay unwritten and are zeroed after the group sum.
+    dq = torch.empty(n_tok, h_v, dk, **f32)
+    dkh = torch.empty(n_tok, h_v, dk, **f32)
+    dvo = torch.zeros_like(v3)
+    dg = torch.zeros(h_v, n_tok, **f32)
+    db = torch.zeros(h_v, n_tok, **f32)
+    gdr_bwd.chunk_grads(dk=dk, dv=dv, dtype=dtype)(q3, k3, v3, do3, tt, gb, h, dh, sd, cu, offsets, float(scale),
+                                                   dq, dkh, dvo, dg, db)
+
+    groups = h_v // h_qk
+    dq = dq.view(n_tok, h_qk, groups, dk).sum(2)
+    dkh = dkh.view(n_tok, h_qk, groups, dk).sum(2)
+    if cu_seqlens is not None:
+        valid = (torch.arange(n_tok, device=dev) < cu[-1])[:, None, None]
+        dq, dkh = torch.where(valid, dq, 0.0), torch.where(valid, dkh, 0.0)
+    dq = dq.to(q.dtype).view(B, T_, h_qk, dk)
+    dkh = dkh.to(k.dtype).view(B, T_, h_qk, dk)
+    dg = dg.t().to(g.dtype).reshape(B, T_, h_v)
+    db = db.t().to(beta.dtype).reshape(B, T_, h_v)
+    return dq, dkh, dvo.view(B, T_, h_v, dv), dg, db, (dh0 if has_h0 else None)
