@@ -68,23 +68,17 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
         q3, k3, do3, tt, gb, h, cu, offsets, dht_, float(scale), dh, dh0, sd)
 
-    # dq, dk per v-head: rows past cu_seqlens[-1] stay unwritten and are zeroed after the group sum.
-    dq = torch.empty(n_tok, h_v, dk, **f32)
-    dkh = torch.empty(n_tok, h_v, dk, **f32)
-    dvo = torch.zeros_like(v3)
-    dg = torch.zeros(h_v, n_tok, **f32)
-    db = torch.zeros(h_v, n_tok, **f32)
+    # dq, dk summed over each GVA group in the kernel (fp32 through the scratch when G > 1) and written in the
+    # input dtype; every row of every output is written (the spare chunk slots zero the rows past cu_seqlens[-1])
+    acc = torch.empty(n_slots if h_v > h_qk else 1, h_qk, 2, CHUNK, dk, **f32)
+    dq, dkh = torch.empty_like(q3), torch.empty_like(k3)
+    dvo = torch.empty_like(v3)
+    dg = torch.empty(h_v, n_tok, **f32)
+    db = torch.empty(h_v, n_tok, **f32)
     gdr_bwd.chunk_grads(dk=dk, dv=dv, dtype=dtype)(q3, k3, v3, do3, tt, gb, h, dh, sd, cu, offsets, float(scale),
-                                                   dq, dkh, dvo, dg, db)
-
-    groups = h_v // h_qk
-    dq = dq.view(n_tok, h_qk, groups, dk).sum(2)
-    dkh = dkh.view(n_tok, h_qk, groups, dk).sum(2)
-    if cu_seqlens is not None:
-        valid = (torch.arange(n_tok, device=dev) < cu[-1])[:, None, None]
-        dq, dkh = torch.where(valid, dq, 0.0), torch.where(valid, dkh, 0.0)
-    dq = dq.to(q.dtype).view(B, T_, h_qk, dk)
-    dkh = dkh.to(k.dtype).view(B, T_, h_qk, dk)
+                                                   acc, dq, dkh, dvo, dg, db)
+    dq = dq.view(B, T_, h_qk, dk)
+    dkh = dkh.view(B, T_, h_qk, dk)
     dg = dg.t().to(g.dtype).reshape(B, T_, h_v)
     db = db.t().to(beta.dtype).reshape(B, T_, h_v)
     return dq, dkh, dvo.view(B, T_, h_v, dv), dg, db, (dh0 if has_h0 else None)

@@ -13,9 +13,9 @@ Pipeline (one packed token stream, chunks numbered globally as in ``gdr_fwd``):
 3. :func:`chunk_dstates` -- one CTA per (sequence, v-head, DV slice) runs the reverse recurrence of
    dS (fp32 in registers), storing each chunk's incoming dS' as ``dh`` (input dtype), dh0, and the
    row sums of dS' o S (fp32 dS' times the fp16 h) that dg's gamma_C term needs.
-4. :func:`chunk_grads` -- one CTA per (chunk, v-head), all chunks in parallel: dq, dk (per v-head,
-   fp32), dv, dg and dbeta from q, k, v, dO, T~, S and dS'.
-5. On the host: dq, dk summed over each GVA group.
+4. :func:`chunk_grads` -- one CTA per (chunk, qk-head), all chunks in parallel, looping over the GVA
+   group's v-heads: dq, dk (summed over the group on chip), dv, dg and dbeta from q, k, v, dO, T~, S
+   and dS'.
 
 dg is formed without cancellation, as in the reference: dg_t = sum_{s>=t} de_s + sum_{s<t} dr_s
 + a <dS', S> + sum_{s>=t, j<t} Y_sj with Y = dP o P_g + dA o A_g, all in fp32.
@@ -293,17 +293,32 @@ def _ysw(i, j):
 
 @compiled
 def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
-    """Per (chunk, v-head), given S and dS' of the chunk: dq, dk (per v-head), dv, dg, dbeta.
+    """Per (chunk, qk-head), given S and dS' of the chunk for each of its G = h_v / h_qk v-heads: dq, dk
+    (summed over the GVA group), and per v-head dv, dg, dbeta.
 
-    Call as ``kernel(q, k, v, do, tt, gb, h, dh, sd, cu_seqlens, chunk_offsets, scale, dq, dk, dv, dg, dbeta)``
-    with ``tt``, ``gb`` from ``gdr_fwd.kkt_inverse`` (gamma and the masked beta of the chunk). Every input
-    tile is TMA-loaded against one mbarrier (h too in fp16; in bf16 its conversion copy runs while the
-    TMA loads are in flight); rows of a partial chunk past the sequence end are zeroed in shared memory.
-    dv is staged over dV' and stored as one tile (by rows when the chunk is partial).
+    Call as ``kernel(q, k, v, do, tt, gb, h, dh, sd, cu_seqlens, chunk_offsets, scale, acc, dq, dk, dv, dg,
+    dbeta)`` with ``tt``, ``gb`` from ``gdr_fwd.kkt_inverse`` (gamma and the masked beta of the
+    chunk), ``tt.shape[0] >= n_tok // 64 + n_seq`` chunk slots (as ``backward`` allocates), and the grid one
+    slot longer than that. One CTA loads the q, k tiles once, then loops over the group's v-heads
+    hv = hk G + g; every other input tile is TMA-loaded per v-head against one mbarrier (phase g % 2; h too
+    in fp16; in bf16 its conversion copy runs while the TMA loads are in flight); rows of a partial chunk
+    past the sequence end are zeroed in shared memory. dv is staged over dV' and stored as one tile (by
+    rows when the chunk is partial).
+
+    dq, dk sum over g = 0, 1, ..., G - 1 in that order in fp32 through ``acc`` (fp32 scratch
+    ``[n_chunk, h_qk, 2, 64, dk]``, one [dq; dk] tile pair per CTA: g = 0 stores, later v-heads load (under
+    the last GEMMs), add and store; the L2 keeps them), and the last v-head writes dq, dk in the input dtype.
+    With G == 1 the scratch is not touched (pass ``[1, h_qk, 2, 64, dk]``).
+
+    Every row of every output is written: the spare slots past the last chunk (at least
+    ceil((n_tok - cu_seqlens[-1]) / 64) of them, counting the extra grid slot) zero the rows past
+    ``cu_seqlens[-1]``, so all outputs may be allocated uninitialised (rows before ``cu_seqlens[0]`` are
+    not written: cu_seqlens[0] must be 0).
     """
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
+    n_acc = T.dynamic("n_acc")
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
     C = CHUNK
@@ -325,13 +340,15 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
         cu_seqlens: T.Tensor((n_seq1,), "int32"),
         chunk_offsets: T.Tensor((n_seq1,), "int32"),
         scale: T.float32,
-        dq_out: T.Tensor((n_tok, h_v, dk), acc),
-        dk_out: T.Tensor((n_tok, h_v, dk), acc),
+        acc_buf: T.Tensor((n_acc, h_qk, 2, C, dk), acc),
+        dq_out: T.Tensor((n_tok, h_qk, dk), dtype),
+        dk_out: T.Tensor((n_tok, h_qk, dk), dtype),
         dv_out: T.Tensor((n_tok, h_v, dv), dtype),
         dg_out: T.Tensor((h_v, n_tok), acc),
         db_out: T.Tensor((h_v, n_tok), acc),
     ):
-        with T.Kernel(n_chunk, h_v, threads=threads) as (chunk, hv):
+        T.assume(n_acc >= 1)  # checked on the host; lets the min below stand for the scratch's bounds check
+        with T.Kernel(n_chunk + 1, h_qk, threads=threads) as (chunk, hk):
             T.import_source(_PTX)
             q_s = T.alloc_shared((C, dk), dtype)
             k_s = T.alloc_shared((C, dk), dtype)
@@ -359,6 +376,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             b1_f = T.alloc_fragment((C, dv), acc)
             b2_f = T.alloc_fragment((C, dv), acc)
             dk_f = T.alloc_fragment((C, dk), acc)
+            pk_f = T.alloc_fragment((C, dk), acc)  # the running dk sum, loaded under the last GEMMs
             s1_f = T.alloc_fragment((C, C), acc)
             s2_f = T.alloc_fragment((C, C), acc)
             dr_f = T.alloc_fragment((C,), acc)
@@ -368,9 +386,11 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             db2_f = T.alloc_fragment((C,), acc)
             yr = T.alloc_local((16,), acc)
 
-            hk = T.alloc_var("int32", init=hv // (h_v // h_qk))  # once, not per access
+            grp = T.alloc_var("int32", init=h_v // h_qk)  # G, once, not per access
+            tx = T.get_thread_binding()
             n_seq = n_seq1 - 1
-            if chunk < chunk_offsets[n_seq]:  # slots past the last chunk are unused
+            n_real = chunk_offsets[n_seq]
+            if chunk < n_real:
                 # the owning sequence: the largest s with chunk_offsets[s] <= chunk
                 seq = T.alloc_var("int32", init=0)
                 hi = T.alloc_var("int32", init=n_seq - 1)
@@ -384,168 +404,213 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                 ci = chunk - chunk_offsets[seq]
                 start = cu_seqlens[seq] + ci * C
                 length = T.min(cu_seqlens[seq + 1] - start, C)
-                # every input tile in flight at once; rows past n_tok are zero-filled by the TMA unit
-                T.tma_copy(q[start : start + C, hk, :], q_s, barrier=bar)
-                T.tma_copy(k[start : start + C, hk, :], k_s, barrier=bar)
-                T.tma_copy(v[start : start + C, hv, :], v_s, barrier=bar)
-                T.tma_copy(do[start : start + C, hv, :], do_s, barrier=bar)
-                T.tma_copy(dh[chunk, hv, :, :], ds_s, barrier=bar)
-                T.tma_copy(tt[chunk, hv, :, :], tt16[0, :, :], barrier=bar)
-                T.tma_copy(gb[chunk, hv, :, :], gb_s, barrier=bar)
-                T.tma_copy(sd[chunk, hv, :, :], sd_s, barrier=bar)
-                if dtype == half:
-                    T.tma_copy(h[chunk, hv, :, :], s_s, barrier=bar)
-                T.barrier_arrive(bar)
-                if dtype != half:
-                    T.copy(h[chunk, hv, :, :], s_s)  # fp16 -> bf16 while the TMA loads are in flight
-                T.barrier_wait(bar, 0)
-                if length < C:  # rows past the sequence's end are zero (gb has g = beta = 0 there)
+                slot = T.min(chunk, n_acc - 1)  # == chunk where the scratch is used (G > 1); visibly in bounds
+                for g in T.serial(grp):
+                    hv = hk * grp + g
+                    # every input tile in flight at once (q, k once); rows past n_tok are zero-filled by the TMA
+                    # unit. The previous v-head's readers are done (the sync at the end of the loop).
+                    if g == 0:
+                        T.tma_copy(q[start : start + C, hk, :], q_s, barrier=bar)
+                        T.tma_copy(k[start : start + C, hk, :], k_s, barrier=bar)
+                    T.tma_copy(v[start : start + C, hv, :], v_s, barrier=bar)
+                    T.tma_copy(do[start : start + C, hv, :], do_s, barrier=bar)
+                    T.tma_copy(dh[chunk, hv, :, :], ds_s, barrier=bar)
+                    T.tma_copy(tt[chunk, hv, :, :], tt16[0, :, :], barrier=bar)
+                    T.tma_copy(gb[chunk, hv, :, :], gb_s, barrier=bar)
+                    T.tma_copy(sd[chunk, hv, :, :], sd_s, barrier=bar)
+                    if dtype == half:
+                        T.tma_copy(h[chunk, hv, :, :], s_s, barrier=bar)
+                    T.barrier_arrive(bar)
+                    if dtype != half:
+                        T.copy(h[chunk, hv, :, :], s_s)  # fp16 -> bf16 while the TMA loads are in flight
+                    T.barrier_wait(bar, g % 2)
+                    if length < C:  # rows past the sequence's end are zero (gb has g = beta = 0 there)
+                        if g == 0:
+                            for i, d in T.Parallel(C, dk):
+                                q_s[i, d] = T.if_then_else(i < length, q_s[i, d], T.cast(0, dtype))
+                                k_s[i, d] = T.if_then_else(i < length, k_s[i, d], T.cast(0, dtype))
+                        for i, d in T.Parallel(C, dv):
+                            v_s[i, d] = T.if_then_else(i < length, v_s[i, d], T.cast(0, dtype))
+                            do_s[i, d] = T.if_then_else(i < length, do_s[i, d], T.cast(0, dtype))
+                    for i in T.Parallel(C):
+                        e_s[i] = _exp(gb_s[0, i])
+                        r_s[i] = _exp(gb_s[0, C - 1] - gb_s[0, i])
+                    # P_g = scale Gamma o Q K^T and A_g = Gamma o T~ o beta_col (stmatrix stores)
+                    T.gemm(q_s, k_s, s1_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        gm = _gamma(gb_s, i, j)
+                        s2_f[i, j] = gm * T.cast(tt16[0, i, j], acc) * gb_s[1, j]
+                        s1_f[i, j] = scale * gm * s1_f[i, j]
+                    T.copy(s1_f, p_s)
+                    T.copy(s2_f, a_s)
+                    T.copy(tt16[0, :, :], tt_s)
+                    # W' = V - e o U0 (v_s keeps e o U0);  V' = A_g W'
+                    T.gemm(k_s, s_s, b1_f, clear_accum=True)
+                    for i, d in T.Parallel(C, dv):
+                        w_s[i, d] = T.cast(T.cast(v_s[i, d], acc) - e_s[i] * b1_f[i, d], dtype)
+                        v_s[i, d] = T.cast(e_s[i] * b1_f[i, d], dtype)
+                    T.gemm(a_s, w_s, b1_f, clear_accum=True)
+                    T.copy(b1_f, vn_s)
+                    # dV' = r o K dS' + P_g^T dO;  dr = rowsum(r o V' o K dS')
+                    T.gemm(k_s, ds_s, b2_f, clear_accum=True)
+                    for i, d in T.Parallel(C, dv):
+                        b2_f[i, d] = r_s[i] * b2_f[i, d]
+                        b1_f[i, d] = b1_f[i, d] * b2_f[i, d]
+                    T.reduce_sum(b1_f, dr_f, dim=1)
+                    T.copy(dr_f, dr_s)
+                    T.gemm(p_s, do_s, b2_f, transpose_A=True)
+                    T.copy(b2_f, dvn_s)
+                    # dk starts with r o (V' dS'^T)
+                    T.gemm(vn_s, ds_s, dk_f, transpose_B=True, clear_accum=True)
                     for i, d in T.Parallel(C, dk):
-                        q_s[i, d] = T.if_then_else(i < length, q_s[i, d], T.cast(0, dtype))
-                        k_s[i, d] = T.if_then_else(i < length, k_s[i, d], T.cast(0, dtype))
+                        dk_f[i, d] = r_s[i] * dk_f[i, d]
+                    # dv = dW' = A_g^T dV';  dA = dV' W'^T (both GEMMs read dV', then dv is staged over it)
+                    T.gemm(a_s, dvn_s, b1_f, transpose_A=True, clear_accum=True)
+                    T.gemm(dvn_s, w_s, s1_f, transpose_B=True, clear_accum=True)
+                    T.copy(b1_f, dvn_s)
+                    T.fence_proxy_async()
+                    if length == C:
+                        T.copy(dvn_s, dv_out[start : start + C, hv, :])
+                    else:
+                        for i, d in T.Parallel(C, dv):
+                            if i < length:
+                                dv_out[start + i, hv, d] = dvn_s[i, d]
+                    # de -= rowsum(e o U0 o dW');  v_s <- dU0 = -e o dW'
                     for i, d in T.Parallel(C, dv):
-                        v_s[i, d] = T.if_then_else(i < length, v_s[i, d], T.cast(0, dtype))
-                        do_s[i, d] = T.if_then_else(i < length, do_s[i, d], T.cast(0, dtype))
-                for i in T.Parallel(C):
-                    e_s[i] = _exp(gb_s[0, i])
-                    r_s[i] = _exp(gb_s[0, C - 1] - gb_s[0, i])
-                # P_g = scale Gamma o Q K^T and A_g = Gamma o T~ o beta_col (stmatrix stores)
-                T.gemm(q_s, k_s, s1_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    gm = _gamma(gb_s, i, j)
-                    s2_f[i, j] = gm * T.cast(tt16[0, i, j], acc) * gb_s[1, j]
-                    s1_f[i, j] = scale * gm * s1_f[i, j]
-                T.copy(s1_f, p_s)
-                T.copy(s2_f, a_s)
-                T.copy(tt16[0, :, :], tt_s)
-                # W' = V - e o U0 (v_s keeps e o U0);  V' = A_g W'
-                T.gemm(k_s, s_s, b1_f, clear_accum=True)
-                for i, d in T.Parallel(C, dv):
-                    w_s[i, d] = T.cast(T.cast(v_s[i, d], acc) - e_s[i] * b1_f[i, d], dtype)
-                    v_s[i, d] = T.cast(e_s[i] * b1_f[i, d], dtype)
-                T.gemm(a_s, w_s, b1_f, clear_accum=True)
-                T.copy(b1_f, vn_s)
-                # dV' = r o K dS' + P_g^T dO;  dr = rowsum(r o V' o K dS')
-                T.gemm(k_s, ds_s, b2_f, clear_accum=True)
-                for i, d in T.Parallel(C, dv):
-                    b2_f[i, d] = r_s[i] * b2_f[i, d]
-                    b1_f[i, d] = b1_f[i, d] * b2_f[i, d]
-                T.reduce_sum(b1_f, dr_f, dim=1)
-                T.copy(dr_f, dr_s)
-                T.gemm(p_s, do_s, b2_f, transpose_A=True)
-                T.copy(b2_f, dvn_s)
-                # dk starts with r o (V' dS'^T)
-                T.gemm(vn_s, ds_s, dk_f, transpose_B=True, clear_accum=True)
-                for i, d in T.Parallel(C, dk):
-                    dk_f[i, d] = r_s[i] * dk_f[i, d]
-                # dv = dW' = A_g^T dV';  dA = dV' W'^T (both GEMMs read dV', then dv is staged over it)
-                T.gemm(a_s, dvn_s, b1_f, transpose_A=True, clear_accum=True)
-                T.gemm(dvn_s, w_s, s1_f, transpose_B=True, clear_accum=True)
-                T.copy(b1_f, dvn_s)
-                T.fence_proxy_async()
-                if length == C:
-                    T.copy(dvn_s, dv_out[start : start + C, hv, :])
-                else:
+                        b2_f[i, d] = T.cast(v_s[i, d], acc) * b1_f[i, d]
+                    T.reduce_sum(b2_f, deu_f, dim=1)
                     for i, d in T.Parallel(C, dv):
-                        if i < length:
-                            dv_out[start + i, hv, d] = dvn_s[i, d]
-                # de -= rowsum(e o U0 o dW');  v_s <- dU0 = -e o dW'
-                for i, d in T.Parallel(C, dv):
-                    b2_f[i, d] = T.cast(v_s[i, d], acc) * b1_f[i, d]
-                T.reduce_sum(b2_f, deu_f, dim=1)
-                for i, d in T.Parallel(C, dv):
-                    v_s[i, d] = T.cast(-e_s[i] * b1_f[i, d], dtype)
-                # dbeta_j += sum_i dA o Gamma o T~;  dT~ = dA o Gamma o beta_col (p_s);  Y = dA o A_g
-                for i, j in T.Parallel(C, C):
-                    gm = _gamma(gb_s, i, j)
-                    s2_f[i, j] = s1_f[i, j] * gm * T.cast(tt16[0, i, j], acc)
-                    s1_f[i, j] = s1_f[i, j] * gm * gb_s[1, j]
-                T.copy(s1_f, p_s)
-                T.reduce_sum(s2_f, db1_f, dim=0)
-                T.copy(db1_f, db_s)
-                T.sync_threads()  # every thread has read the fp16 T~ (tt16 is y_s's memory)
-                for i, j in T.Parallel(C, C):
-                    y_s[i, _ysw(i, j)] = s2_f[i, j] * gb_s[1, j]
-                # dL = -(T~^T dT~ T~^T) strictly lower;  dbeta_i += rowsum(dL o K K^T);  p_s <- beta o dL
-                T.gemm(tt_s, p_s, s1_f, transpose_A=True, clear_accum=True)
-                T.copy(s1_f, a_s)
-                T.gemm(a_s, tt_s, s1_f, transpose_B=True, clear_accum=True)
-                T.gemm(k_s, k_s, s2_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    dl = T.if_then_else(j < i, -s1_f[i, j], T.float32(0))
-                    s2_f[i, j] = dl * s2_f[i, j]
-                    s1_f[i, j] = gb_s[1, i] * dl
-                T.copy(s1_f, p_s)
-                T.reduce_sum(s2_f, db2_f, dim=1)
-                T.copy(db2_f, db2_s)
-                T.gemm(p_s, k_s, dk_f)
-                T.gemm(p_s, k_s, dk_f, transpose_A=True)
-                # dP = dO V'^T;  dQK = scale Gamma o dP (a_s);  Y += dP o P_g (Q K^T recomputed)
-                T.gemm(do_s, vn_s, s1_f, transpose_B=True, clear_accum=True)
-                T.gemm(q_s, k_s, s2_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    s1_f[i, j] = scale * _gamma(gb_s, i, j) * s1_f[i, j]
-                    y_s[i, _ysw(i, j)] += s1_f[i, j] * s2_f[i, j]
-                T.copy(s1_f, a_s)
-                # dq = scale e o (dO S^T) + dQK K;  de += rowsum(q o scale e o dO S^T)
-                T.gemm(do_s, s_s, b1_f, transpose_B=True, clear_accum=True)
-                for i, d in T.Parallel(C, dk):
-                    b1_f[i, d] = scale * e_s[i] * b1_f[i, d]
-                    b2_f[i, d] = b1_f[i, d] * T.cast(q_s[i, d], acc)
-                T.reduce_sum(b2_f, deq_f, dim=1)
-                T.gemm(a_s, k_s, b1_f)
-                # dk += dU0 S^T + dQK^T Q
-                T.gemm(v_s, s_s, dk_f, transpose_B=True)
-                T.gemm(a_s, q_s, dk_f, transpose_A=True)
-                for i, d in T.Parallel(C, dk):
-                    if i < length:
-                        dq_out[start + i, hv, d] = b1_f[i, d]
-                        dk_out[start + i, hv, d] = dk_f[i, d]
-                # dg_t = sum_s M_st, M_st = [s >= t] (de_s + left_st) + [s < t] dr_s + a (sd_s + sd_{s+C}) with
-                # left_st = sum_{j<t} Y_sj; the a <dS', S> term is folded into de_s and dr_s.
-                for i in T.Parallel(C):
-                    sda = e_s[C - 1] * ((sd_s[0, i] + sd_s[1, i]) + (sd_s[0, i + C] + sd_s[1, i + C]))
-                    de_s[i] = sda + (deq_f[i] - deu_f[i])
-                    dr_s[i] = sda + dr_s[i]
-                T.sync_threads()
-                # thread (row i = tx % 64, column quarter qq = tx // 64): its 16 Y values, their prefix sums, and the
-                # row sums of the quarters to its left
-                tx = T.get_thread_binding()
-                ii = tx % C
-                qq = tx // C
-                for v4 in T.unroll(4):
-                    for c in T.vectorized(4):
-                        yr[v4 * 4 + c] = y_s[ii, T.bitwise_xor(qq * 4 + v4, ii % 8) * 4 + c]
-                for kk in T.unroll(1, 16):
-                    yr[kk] = yr[kk - 1] + yr[kk]
-                # y_s is read: its rows 0-3 take the quarter sums (tq), rows 4-5 the column sums per half of the rows
-                T.sync_threads()
-                y_s[qq, ii] = yr[15]
-                T.sync_threads()
-                off = T.alloc_var(acc, init=T.float32(0))
-                for qb in T.unroll(3):
-                    off = off + T.if_then_else(qb < qq, y_s[qb, ii], T.float32(0))
-                # M_it for t = 16 qq + kk (yr[kk - 1] is the inclusive prefix: left = off + yr[kk - 1])
-                for kr in T.unroll(16):  # descending: yr[kk - 1] is still the prefix
-                    kk = 15 - kr
-                    left = off + T.if_then_else(kk > 0, yr[T.max(kk - 1, 0)], T.float32(0))
-                    yr[kk] = T.if_then_else(ii >= qq * 16 + kk, de_s[ii] + left, dr_s[ii])
-                # sum over the 32 rows of this warp: reduce-scatter, halving the 16 columns per step
-                lane = tx % 32
-                _reduce_scatter(yr, lane, 16, 8)
-                _reduce_scatter(yr, lane, 8, 4)
-                _reduce_scatter(yr, lane, 4, 2)
-                _reduce_scatter(yr, lane, 2, 1)
-                yr[0] = yr[0] + T.shfl_xor(yr[0], 1)
-                # lane pair (2 k, 2 k + 1) holds column t = 16 qq + k of this warp's 32 rows
-                if lane % 2 == 0:
-                    y_s[4 + (tx // 32) % 2, qq * 16 + lane // 2] = yr[0]
-                T.sync_threads()
-                if tx < length:
-                    dg_out[hv, start + tx] = y_s[4, tx] + y_s[5, tx]
-                    db_out[hv, start + tx] = db_s[tx] + db2_s[tx]
-
+                        v_s[i, d] = T.cast(-e_s[i] * b1_f[i, d], dtype)
+                    # dbeta_j += sum_i dA o Gamma o T~;  dT~ = dA o Gamma o beta_col (p_s);  Y = dA o A_g
+                    for i, j in T.Parallel(C, C):
+                        gm = _gamma(gb_s, i, j)
+                        s2_f[i, j] = s1_f[i, j] * gm * T.cast(tt16[0, i, j], acc)
+                        s1_f[i, j] = s1_f[i, j] * gm * gb_s[1, j]
+                    T.copy(s1_f, p_s)
+                    T.reduce_sum(s2_f, db1_f, dim=0)
+                    T.copy(db1_f, db_s)
+                    T.sync_threads()  # every thread has read the fp16 T~ (tt16 is y_s's memory)
+                    for i, j in T.Parallel(C, C):
+                        y_s[i, _ysw(i, j)] = s2_f[i, j] * gb_s[1, j]
+                    # dL = -(T~^T dT~ T~^T) strictly lower;  dbeta_i += rowsum(dL o K K^T);  p_s <- beta o dL
+                    T.gemm(tt_s, p_s, s1_f, transpose_A=True, clear_accum=True)
+                    T.copy(s1_f, a_s)
+                    T.gemm(a_s, tt_s, s1_f, transpose_B=True, clear_accum=True)
+                    T.gemm(k_s, k_s, s2_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        dl = T.if_then_else(j < i, -s1_f[i, j], T.float32(0))
+                        s2_f[i, j] = dl * s2_f[i, j]
+                        s1_f[i, j] = gb_s[1, i] * dl
+                    T.copy(s1_f, p_s)
+                    T.reduce_sum(s2_f, db2_f, dim=1)
+                    T.copy(db2_f, db2_s)
+                    T.gemm(p_s, k_s, dk_f)
+                    T.gemm(p_s, k_s, dk_f, transpose_A=True)
+                    # dP = dO V'^T;  dQK = scale Gamma o dP (a_s);  Y += dP o P_g (Q K^T recomputed)
+                    T.gemm(do_s, vn_s, s1_f, transpose_B=True, clear_accum=True)
+                    T.gemm(q_s, k_s, s2_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        s1_f[i, j] = scale * _gamma(gb_s, i, j) * s1_f[i, j]
+                        y_s[i, _ysw(i, j)] += s1_f[i, j] * s2_f[i, j]
+                    T.copy(s1_f, a_s)
+                    # dq = scale e o (dO S^T) + dQK K;  de += rowsum(q o scale e o dO S^T)
+                    T.gemm(do_s, s_s, b1_f, transpose_B=True, clear_accum=True)
+                    for i, d in T.Parallel(C, dk):
+                        b1_f[i, d] = scale * e_s[i] * b1_f[i, d]
+                        b2_f[i, d] = b1_f[i, d] * T.cast(q_s[i, d], acc)
+                    T.reduce_sum(b2_f, deq_f, dim=1)
+                    if g > 0:  # the group's running dq, dk sums (b2_f is free now): in flight under the GEMMs below
+                        for i, d in T.Parallel(C, dk):
+                            b2_f[i, d] = acc_buf[slot, hk, 0, i, d]
+                            pk_f[i, d] = acc_buf[slot, hk, 1, i, d]
+                    T.gemm(a_s, k_s, b1_f)
+                    # dk += dU0 S^T + dQK^T Q
+                    T.gemm(v_s, s_s, dk_f, transpose_B=True)
+                    T.gemm(a_s, q_s, dk_f, transpose_A=True)
+                    # dq, dk summed over the group in the order g = 0, 1, ... in fp32; the running sums stay in this
+                    # CTA's scratch slot (all 64 rows, partial chunk or not; the end-of-loop sync orders the reload)
+                    if g > 0:
+                        for i, d in T.Parallel(C, dk):
+                            b1_f[i, d] = b2_f[i, d] + b1_f[i, d]
+                            dk_f[i, d] = pk_f[i, d] + dk_f[i, d]
+                    if g < grp - 1:
+                        for i, d in T.Parallel(C, dk):
+                            acc_buf[slot, hk, 0, i, d] = b1_f[i, d]
+                            acc_buf[slot, hk, 1, i, d] = dk_f[i, d]
+                    else:
+                        for i, d in T.Parallel(C, dk):
+                            if i < length:
+                                dq_out[start + i, hk, d] = T.cast(b1_f[i, d], dtype)
+                                dk_out[start + i, hk, d] = T.cast(dk_f[i, d], dtype)
+                    # dg_t = sum_s M_st, M_st = [s >= t] (de_s + left_st) + [s < t] dr_s + a (sd_s + sd_{s+C}) with
+                    # left_st = sum_{j<t} Y_sj; the a <dS', S> term is folded into de_s and dr_s.
+                    for i in T.Parallel(C):
+                        sda = e_s[C - 1] * ((sd_s[0, i] + sd_s[1, i]) + (sd_s[0, i + C] + sd_s[1, i + C]))
+                        de_s[i] = sda + (deq_f[i] - deu_f[i])
+                        dr_s[i] = sda + dr_s[i]
+                    T.sync_threads()
+                    # thread (row i = tx % 64, column quarter qq = tx // 64): its 16 Y values, their prefix sums, and
+                    # the row sums of the quarters to its left
+                    ii = tx % C
+                    qq = tx // C
+                    for v4 in T.unroll(4):
+                        for c in T.vectorized(4):
+                            yr[v4 * 4 + c] = y_s[ii, T.bitwise_xor(qq * 4 + v4, ii % 8) * 4 + c]
+                    for kk in T.unroll(1, 16):
+                        yr[kk] = yr[kk - 1] + yr[kk]
+                    # y_s is read: its rows 0-3 take the quarter sums (tq), rows 4-5 the column sums per half of the
+                    # rows
+                    T.sync_threads()
+                    y_s[qq, ii] = yr[15]
+                    T.sync_threads()
+                    off = T.alloc_var(acc, init=T.float32(0))
+                    for qb in T.unroll(3):
+                        off = off + T.if_then_else(qb < qq, y_s[qb, ii], T.float32(0))
+                    # M_it for t = 16 qq + kk (yr[kk - 1] is the inclusive prefix: left = off + yr[kk - 1])
+                    for kr in T.unroll(16):  # descending: yr[kk - 1] is still the prefix
+                        kk = 15 - kr
+                        left = off + T.if_then_else(kk > 0, yr[T.max(kk - 1, 0)], T.float32(0))
+                        yr[kk] = T.if_then_else(ii >= qq * 16 + kk, de_s[ii] + left, dr_s[ii])
+                    # sum over the 32 rows of this warp: reduce-scatter, halving the 16 columns per step
+                    lane = tx % 32
+                    _reduce_scatter(yr, lane, 16, 8)
+                    _reduce_scatter(yr, lane, 8, 4)
+                    _reduce_scatter(yr, lane, 4, 2)
+                    _reduce_scatter(yr, lane, 2, 1)
+                    yr[0] = yr[0] + T.shfl_xor(yr[0], 1)
+                    # lane pair (2 k, 2 k + 1) holds column t = 16 qq + k of this warp's 32 rows
+                    if lane % 2 == 0:
+                        y_s[4 + (tx // 32) % 2, qq * 16 + lane // 2] = yr[0]
+                    T.sync_threads()
+                    if tx < length:
+                        dg_out[hv, start + tx] = y_s[4, tx] + y_s[5, tx]
+                        db_out[hv, start + tx] = db_s[tx] + db2_s[tx]
+                    # every reader of this v-head's tiles (y_s above, the wgmma operands, ...) is done before the
+                    # next TMA loads overwrite them; generic writes ordered before those async-proxy writes
+                    T.fence_proxy_async()
+                    T.sync_threads()
+            else:
+                # a spare slot: the rows past cu_seqlens[-1] (padding), 64 per tile, spread over the spare slots
+                tail = n_tok - cu_seqlens[n_seq]
+                n_spare = n_chunk + 1 - n_real
+                u = chunk - n_real
+                for it in T.serial(T.ceildiv(T.max(T.ceildiv(tail, C) - u, 0), n_spare)):
+                    z0 = cu_seqlens[n_seq] + (u + it * n_spare) * C
+                    for i, d in T.Parallel(C, dk):
+                        if z0 + i < n_tok:
+                            dq_out[z0 + i, hk, d] = T.cast(0, dtype)
+                            dk_out[z0 + i, hk, d] = T.cast(0, dtype)
+                    for g in T.serial(grp):
+                        for i, d in T.Parallel(C, dv):
+                            if z0 + i < n_tok:
+                                dv_out[z0 + i, hk * grp + g, d] = T.cast(0, dtype)
+                        if tx < C:
+                            if z0 + tx < n_tok:
+                                dg_out[hk * grp + g, z0 + tx] = T.float32(0)
+                                db_out[hk * grp + g, z0 + tx] = T.float32(0)
     return kernel
+
+
 
 
 def variants():
@@ -611,23 +676,17 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     chunk_dstates(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
         q3, k3, do3, g2, b2, tt, h, cu, offsets, dht_, float(scale), dh, dh0, sd)
 
-    # dq, dk per v-head: rows past cu_seqlens[-1] stay unwritten and are zeroed after the group sum.
-    dq = torch.empty(n_tok, h_v, dk, **f32)
-    dkh = torch.empty(n_tok, h_v, dk, **f32)
-    dvo = torch.zeros_like(v3)
-    dg = torch.zeros(h_v, n_tok, **f32)
-    db = torch.zeros(h_v, n_tok, **f32)
+    # dq, dk summed over each GVA group in the kernel (fp32 through the scratch when G > 1) and written in the
+    # input dtype; every row of every output is written (the spare chunk slots zero the rows past cu_seqlens[-1])
+    acc = torch.empty(n_slots if h_v > h_qk else 1, h_qk, 2, CHUNK, dk, **f32)
+    dq, dkh = torch.empty_like(q3), torch.empty_like(k3)
+    dvo = torch.empty_like(v3)
+    dg = torch.empty(h_v, n_tok, **f32)
+    db = torch.empty(h_v, n_tok, **f32)
     chunk_grads(dk=dk, dv=dv, dtype=dtype)(q3, k3, v3, do3, tt, gb, h, dh, sd, cu, offsets, float(scale),
-                                           dq, dkh, dvo, dg, db)
-
-    groups = h_v // h_qk
-    dq = dq.view(n_tok, h_qk, groups, dk).sum(2)
-    dkh = dkh.view(n_tok, h_qk, groups, dk).sum(2)
-    if cu_seqlens is not None:
-        valid = (torch.arange(n_tok, device=dev) < cu[-1])[:, None, None]
-        dq, dkh = torch.where(valid, dq, 0.0), torch.where(valid, dkh, 0.0)
-    dq = dq.to(q.dtype).view(B, T_, h_qk, dk)
-    dkh = dkh.to(k.dtype).view(B, T_, h_qk, dk)
+                                           acc, dq, dkh, dvo, dg, db)
+    dq = dq.view(B, T_, h_qk, dk)
+    dkh = dkh.view(B, T_, h_qk, dk)
     dg = dg.t().to(g.dtype).reshape(B, T_, h_v)
     db = db.t().to(beta.dtype).reshape(B, T_, h_v)
     return dq, dkh, dvo.view(B, T_, h_v, dv), dg, db, (dh0 if has_h0 else None)
