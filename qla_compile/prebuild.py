@@ -17,6 +17,7 @@ _MODULES = (
     "qla_compile.kernels.gdr_fwd",
     "qla_compile.kernels.fused_fwd",
     "qla_compile.kernels.cp_fwd",
+    "qla_compile.kernels.fused_bwd",
     "qla_compile.kernels.gdr_bwd",
 )
 

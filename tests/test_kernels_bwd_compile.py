@@ -1,7 +1,8 @@
 """The SM90 backward kernels lower and build for sm_90a on a machine without a GPU.
 
-Kept to five builds (CI has two cores): the per-chunk gradient kernel once (it has no flags) and the two
-recurrences once per dtype, the bf16 build with every optional input and the fp16 build with none.
+Kept to five builds (CI has two cores): the per-chunk gradient kernel once (it has no flags), the reverse
+recurrence once per dtype (the bf16 build with every optional input and the full V tile, the fp16 build
+with none and half of it) and the state recompute (the fused forward's ``store_h`` mode) at both tiles.
 """
 import importlib.util
 import shutil
@@ -15,18 +16,21 @@ pytestmark = pytest.mark.skipif(
 
 VARIANTS = [
     ("chunk_grads", dict(dtype="bfloat16")),
-    ("chunk_dstates", dict(dtype="float16", has_h0=False, has_dht=False, block_dv=64)),
-    ("chunk_dstates", dict(dtype="bfloat16", has_h0=True, has_dht=True, block_dv=128)),
-    ("chunk_states", dict(dtype="bfloat16", has_h0=True, block_dv=128)),
-    ("chunk_states", dict(dtype="float16", has_h0=False, block_dv=64)),
+    ("chunk_dstates_ws", dict(dtype="float16", has_h0=False, has_dht=False, block_dv=64)),
+    ("chunk_dstates_ws", dict(dtype="bfloat16", has_h0=True, has_dht=True, block_dv=128)),
+    ("chunk_fwd_ws", dict(dtype="bfloat16", has_h0=True, block_dv=128, store_h=True)),
+    ("chunk_fwd_ws", dict(dtype="float16", has_h0=False, block_dv=64, store_h=True)),
 ]
 
 
-@pytest.mark.parametrize("name,params", VARIANTS, ids=[f"{n}-{p['dtype']}" for n, p in VARIANTS])
+@pytest.mark.parametrize("name,params", VARIANTS, ids=[f"{n}-{p['dtype']}-{p.get('block_dv', 128)}" for n, p in VARIANTS])
 def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
     monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path))
-    from qla_compile.kernels import gdr_bwd
+    from qla_compile.kernels import fused_bwd, fused_fwd, gdr_bwd
 
-    kernel = getattr(gdr_bwd, name).__wrapped__(dk=128, dv=128, **params)  # uncached: a real build
+    module = {"chunk_dstates_ws": fused_bwd, "chunk_fwd_ws": fused_fwd}.get(name, gdr_bwd)
+    kernel = getattr(module, name).__wrapped__(dk=128, dv=128, **params)  # uncached: a real build
     source = kernel.get_kernel_source()
     assert "wgmma" in source  # the GEMMs went to Hopper's warpgroup MMA
+    if name != "chunk_grads":  # the warp-specialised kernels stream their inputs by TMA and store by TMA
+        assert "tma_load" in source and "tma_store" in source

@@ -168,15 +168,21 @@ def _block_dv(n_ctas, dv):
     return dv if n_ctas >= _FULL_DV_MIN_CTAS else dv // 2
 
 
-def _piece_initial_states(q3, k3, v3, b2, tt, gb, initial_state, dtype, n_seq, chunks, piece_tables):
-    """Every piece's initial state from ``cp_fwd``: ``(cu, chunk_offsets, seq_pieces, h0p, block_dv)``
-    of the pieces, h0p fp32 ``[P, H_v, K, V]``."""
+def _piece_initial_states(q3, k3, v3, b2, tt, gb, initial_state, dtype, n_seq, chunks, piece_tables,
+                          backward=False):
+    """Every piece's initial state from ``cp_fwd``: ``(cu, chunk_offsets, seq_pieces, h0p, block_dv, skip,
+    m)`` of the pieces, h0p fp32 ``[P, H_v, K, V]``; ``skip`` and the transitions ``m`` as the transition
+    kernel left them (M formed where ``skip < 0``). With ``backward`` M is also formed for the last piece
+    of a sequence with several (the backward's reverse scan needs M of every piece but the first)."""
     h_v, dk, dv = v3.shape[1], k3.shape[2], v3.shape[2]
     device = q3.device
     n_p, tables = piece_tables
     cu, offsets = tables[: n_p + 1], tables[n_p + 1 : 2 * n_p + 2]
     seq_pieces = tables[2 * n_p + 2 : 2 * n_p + 3 + n_seq]
     last = tables[-n_p:].bool()
+    if backward:
+        first = torch.zeros_like(last).index_fill_(0, seq_pieces[:-1].long(), True)  # no host copy: capturable
+        last = last & first
     # dropping a piece's transition M needs every per-token map I - beta k k^T to be a contraction
     k_sq = torch.linalg.vector_norm(k3, dim=-1, dtype=torch.float32).amax().square()
     contractive = (b2.amin() >= 0) & (b2.amax() * k_sq <= 2)
@@ -191,12 +197,12 @@ def _piece_initial_states(q3, k3, v3, b2, tt, gb, initial_state, dtype, n_seq, c
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else e[:1]
     h0p = torch.empty(n_p, h_v, dk, dv, **f32)
     cp_fwd.scan(dk=dk, dv=dv, has_h0=has_h0)(e, m, skip, seq_pieces, h0, h0p)
-    return cu, offsets, seq_pieces, h0p, bv
+    return cu, offsets, seq_pieces, h0p, bv, skip, m
 
 
 def _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, n_seq, chunks, piece_tables):
     """The fused forward over pieces of ``chunks`` chunks, their initial states from ``cp_fwd``."""
-    cu, offsets, seq_pieces, h0p, bv = _piece_initial_states(
+    cu, offsets, seq_pieces, h0p, bv, _, _ = _piece_initial_states(
         q3, k3, v3, b2, tt, gb, initial_state, dtype, n_seq, chunks, piece_tables)
     o = torch.empty_like(v3)
     ht = torch.empty_like(h0p)
@@ -208,12 +214,15 @@ def _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, n_seq, chun
 def chunk_states(q3, k3, v3, b2, tt, gb, cu, offsets, initial_state, dtype, cp):
     """Every chunk-start state of the forward recurrence, fp16 ``[n_slots, H_v, K, V]`` (slot numbering
     of ``offsets``), by the fused forward in its ``store_h`` mode; context-parallel when ``cp`` (a
-    ``_cp_plan``) is given."""
+    ``_cp_plan``) is given. Returns ``(h, pieces)``, ``pieces`` None or the context-parallel tables the
+    backward's reverse pass reuses: ``(cu, chunk_offsets, seq_pieces, skip, m)`` of the pieces."""
     n_slots, h_v, dk, dv = tt.shape[0], v3.shape[1], k3.shape[2], v3.shape[2]
     h = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=torch.float16)
+    pieces = None
     if cp is not None:
-        cu, offsets, _, h0, bv = _piece_initial_states(q3, k3, v3, b2, tt, gb, initial_state, dtype, *cp)
-        has_h0 = True
+        cu, offsets, seq_pieces, h0, bv, skip, m = _piece_initial_states(
+            q3, k3, v3, b2, tt, gb, initial_state, dtype, *cp, backward=True)
+        has_h0, pieces = True, (cu, offsets, seq_pieces, skip, m)
     else:
         has_h0 = initial_state is not None
         h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty(
@@ -221,7 +230,7 @@ def chunk_states(q3, k3, v3, b2, tt, gb, cu, offsets, initial_state, dtype, cp):
         bv = _block_dv((cu.numel() - 1) * h_v, dv)
     fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=bv, store_h=True)(
         q3, k3, v3, tt, gb, cu, offsets, h0, h)
-    return h
+    return h, pieces
 
 
 def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,

@@ -6,17 +6,48 @@ Pipeline (one packed token stream, chunks numbered as in ``gdr_fwd``; notation i
 2. ``kernels.chunk_states`` -- every chunk-start state S in fp16 by the fused forward in its
    ``store_h`` mode, context-parallel under the forward's rule.
 3. ``fused_bwd.chunk_dstates_ws`` -- the reverse recurrence of dS, storing each chunk's incoming dS'
-   (input dtype), dh0 and the row sums of dS' o S that dg's gamma_C term needs.
-4. ``gdr_bwd.chunk_grads`` -- per (chunk, v-head), all chunks in parallel: dq, dk (per v-head, fp32),
-   dv, dg and dbeta.
-5. dq, dk summed over each GVA group (torch).
+   (input dtype), dh0 and the row sums of dS' o S that dg's gamma_C term needs; context-parallel over
+   the same pieces as step 2 (:func:`_chunk_dstates`).
+4. ``gdr_bwd.chunk_grads`` -- per (chunk, qk-head), all chunks in parallel, looping over the GVA
+   group's v-heads: dv, dg and dbeta per v-head, dq and dk summed over the group on chip.
 """
 
 import torch
 
-from . import _DTYPES, _block_dv, _check, _check_context_parallel, _cp_plan, _tables, chunk_states, fused_bwd, gdr_bwd, gdr_fwd
+from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _cp_plan, _tables, chunk_states, cp_fwd, fused_bwd,
+               gdr_bwd, gdr_fwd)
 
 CHUNK = gdr_fwd.CHUNK
+
+
+def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, dht, has_h0, scale, dtype, pieces):
+    """``fused_bwd.chunk_dstates_ws``: ``(dh, dh0, sd)``. With the context-parallel ``pieces`` of
+    ``chunk_states``, every piece first passes back the state gradient of a zero one (the transition
+    mode), a reverse scan (``cp_fwd.scan``) chains them into the gradient entering each piece, and the
+    pieces then run in parallel."""
+    n_slots, h_v, dk, dv = tt.shape[0], do3.shape[1], q3.shape[2], do3.shape[2]
+    f32 = dict(device=q3.device, dtype=torch.float32)
+    has_dht = dht is not None
+    dht = dht.to(torch.float32).contiguous() if has_dht else torch.empty(1, h_v, dk, dv, **f32)
+    if pieces is not None:
+        cu, offsets, seq_pieces, skip, m = pieces
+        block_dv = _block_dv((cu.numel() - 1) * h_v, dv)
+        passed = torch.empty(cu.numel() - 1, h_v, dk, dv, **f32)
+        fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=True, has_dht=False, block_dv=block_dv,
+                                   transition=True)(q3, k3, do3, tt, gb, cu, offsets, float(scale), passed)
+        entering = torch.empty_like(passed)
+        cp_fwd.scan(dk=dk, dv=dv, has_h0=has_dht, reverse=True)(passed, m, skip, seq_pieces, dht, entering)
+        dht, has_dht = entering, True
+    else:
+        block_dv = _block_dv((cu.numel() - 1) * h_v, dv)
+    dh = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=q3.dtype)
+    dh0 = torch.empty(cu.numel() - 1, h_v, dk, dv, **f32)
+    sd = (torch.empty if block_dv < dv else torch.zeros)(n_slots, h_v, 2, dk, **f32)
+    fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
+        q3, k3, do3, tt, gb, h, cu, offsets, dht, float(scale), dh, dh0, sd)
+    if pieces is not None and has_h0:  # each sequence's dh0 is its first piece's
+        dh0 = dh0.index_select(0, pieces[2][:-1].long())
+    return dh, dh0, sd
 
 
 def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
@@ -27,8 +58,8 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     (L2-normalised if that option is on), v and do ``[B,T,H_v,V]`` (bf16/fp16, one dtype), g ``[B,T,H_v]``
     the activated log gate (<= 0), beta ``[B,T,H_v]`` activated; dht and initial_state fp32 ``[N,H_v,K,V]``
     or None; cu_seqlens ``[N+1]`` (B == 1) or None; ``context_parallel`` as for the forward (it splits
-    the state recompute). dq, dk, dv come back in q's dtype, dg and dbeta in g's and beta's dtypes, dh0
-    fp32 (None without an initial state). Tokens past ``cu_seqlens[-1]`` get zero gradients.
+    the state recompute and the reverse pass). dq, dk, dv come back in q's dtype, dg and dbeta in g's and
+    beta's dtypes, dh0 fp32 (None without an initial state). Tokens past ``cu_seqlens[-1]`` get zero gradients.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     _check_context_parallel(context_parallel)
@@ -56,17 +87,11 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     gb = torch.empty(n_slots, h_v, 2, CHUNK, device=dev, dtype=torch.float32)
     gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g_tok, b_tok, cu, offsets, tt, gb)
     cp = _cp_plan(context_parallel, cu_seqlens, B, T_, h_v, dev)
-    h = chunk_states(q3, k3, v3, b_tok, tt, gb, cu, offsets, initial_state, dtype, cp)
+    h, pieces = chunk_states(q3, k3, v3, b_tok, tt, gb, cu, offsets, initial_state, dtype, cp)
+    has_h0 = initial_state is not None
+    dh, dh0, sd = _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, dht, has_h0, scale, dtype, pieces)
 
     f32 = dict(device=dev, dtype=torch.float32)
-    has_h0, has_dht = initial_state is not None, dht is not None
-    dht_ = dht.to(torch.float32).contiguous() if has_dht else torch.empty(1, h_v, dk, dv, **f32)
-    dh = torch.empty(n_slots, h_v, dk, dv, device=dev, dtype=q.dtype)
-    dh0 = torch.empty(n_seq, h_v, dk, dv, **f32)
-    block_dv = _block_dv(n_seq * h_v, dv)
-    sd = (torch.empty if block_dv < dv else torch.zeros)(n_slots, h_v, 2, dk, **f32)
-    fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
-        q3, k3, do3, tt, gb, h, cu, offsets, dht_, float(scale), dh, dh0, sd)
 
     # dq, dk summed over each GVA group in the kernel (fp32 through the scratch when G > 1) and written in the
     # input dtype; every row of every output is written (the spare chunk slots zero the rows past cu_seqlens[-1])

@@ -94,13 +94,17 @@ def warmup_skip(gb, chunk_offsets, last, chunk_len: int, contractive):
 
 
 @compiled
-def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV):
+def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV, reverse: bool = False):
     """Initial state of every piece, ``h0p[p + 1] = M[p] h0p[p] + E[p]`` within each sequence.
 
     Call as ``kernel(ht, mt, skip, seq_pieces, h0, h0p)``: ``ht`` = E and ``mt`` = M per piece (fp32, as
     written by the transition kernel; M is read only where ``skip < 0``, elsewhere it counts as 0),
     ``seq_pieces`` the first piece of each sequence, ``h0`` the sequences' initial states.
     One CTA per (sequence, v-head, ``block_dv`` columns) walks that sequence's pieces.
+
+    With ``reverse`` (the backward) it walks each sequence's pieces from the last:
+    ``h0p[p - 1] = M[p]^T h0p[p] + E[p]``, ``h0`` the gradients of the sequences' final states and E the
+    state gradient each piece passes back from a zero one; ``h0p[p]`` is the gradient entering piece p.
     """
     n_p = T.dynamic("n_p")
     n_seq1 = T.dynamic("n_seq1")
@@ -128,21 +132,28 @@ def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV):
                 T.clear(s_f)
             p0 = seq_pieces[seq]
             p1 = seq_pieces[seq + 1]
-            for p in T.serial(p1 - p0):
-                T.copy(s_f, h0p[p0 + p, hv, :, c0 : c0 + BS])
-                if p0 + p + 1 < p1:
-                    if skip[p0 + p, hv] < 0:
-                        T.copy(mt[p0 + p, hv, :, :], m_s)
+            for j in T.serial(p1 - p0):
+                p = p1 - 1 - j if reverse else p0 + j  # this piece; the next one takes from it
+                more = p > p0 if reverse else p + 1 < p1
+                T.copy(s_f, h0p[p, hv, :, c0 : c0 + BS])
+                if more:
+                    if skip[p, hv] < 0:
+                        if reverse:  # M^T, K-major
+                            for a, b in T.Parallel(dk, dk):
+                                m_s[b, a] = mt[p, hv, a, b]
+                        else:
+                            T.copy(mt[p, hv, :, :], m_s)
                         for a, b in T.Parallel(dk, BS):
                             st_s[b, a] = s_f[a, b]
-                        T.copy(ht[p0 + p, hv, :, c0 : c0 + BS], s_f)
+                        T.copy(ht[p, hv, :, c0 : c0 + BS], s_f)
                         T.gemm(m_s, st_s, s_f, transpose_B=True)
                     else:
-                        T.copy(ht[p0 + p, hv, :, c0 : c0 + BS], s_f)
+                        T.copy(ht[p, hv, :, c0 : c0 + BS], s_f)
 
     return kernel
 
 
 def variants():
     """``(kernel name, params)`` of every scan variant (K = V = 128)."""
-    return [("scan", dict(dk=128, dv=128, has_h0=has_h0)) for has_h0 in (True, False)]
+    return [("scan", dict(dk=128, dv=128, has_h0=has_h0, reverse=reverse))
+            for has_h0 in (True, False) for reverse in (False, True)]

@@ -31,13 +31,20 @@ _NREG = (200, 128, 160, 24)
 
 
 @compiled
-def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, block_dv: int = 128):
+def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, block_dv: int = 128,
+                     transition: bool = False):
     """Stores each chunk's incoming dS' (input dtype) in ``dh``, dh0 (fp32) when asked, and ``sd``.
 
     ``kernel(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, dht, scale, dh, dh0, sd)``;
     ``sd[chunk, hv, bv, :]`` are the row sums over DV slice ``bv`` of dS' o S with the fp32 dS' (slot 1
     is not written when V is not split).
+
+    With ``transition`` (context parallelism, see ``backward``) it only returns, per piece, the state
+    gradient the piece passes back from a zero one: ``kernel(q, k, do, tt, gb, cu_seqlens,
+    chunk_offsets, scale, dh0)`` (``has_h0`` and ``has_dht`` are ignored).
     """
+    if transition:
+        has_h0, has_dht = True, False
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
@@ -48,22 +55,8 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
     acc, half = "float32", "float16"
     assert dv // BV <= 2, "sd has two DV-slice slots"
 
-    @T.prim_func
-    def kernel(
-        q: T.Tensor((n_tok, h_qk, dk), dtype),
-        k: T.Tensor((n_tok, h_qk, dk), dtype),
-        do: T.Tensor((n_tok, h_v, dv), dtype),
-        tt: T.Tensor((n_chunk, h_v, C, C), half),
-        gb: T.Tensor((n_chunk, h_v, 2, C), acc),
-        h: T.Tensor((n_chunk, h_v, dk, dv), half),
-        cu_seqlens: T.Tensor((n_seq1,), "int32"),
-        chunk_offsets: T.Tensor((n_seq1,), "int32"),
-        dht: T.Tensor((n_dht, h_v, dk, dv), acc),
-        scale: T.float32,
-        dh: T.Tensor((n_chunk, h_v, dk, dv), dtype),
-        dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
-        sd: T.Tensor((n_chunk, h_v, 2, dk), acc),
-    ):
+    @T.macro
+    def body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, dht, scale, dh, dh0, sd):
         with T.Kernel(n_seq1 - 1, h_v, dv // BV, threads=512) as (seq, hv, bv):
             T.import_source(_PTX)
             # two-stage input ring, filled by TMA (dO's slot later holds dV', then dU0)
@@ -72,7 +65,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             do_s = T.alloc_shared((2, C, BV), dtype)
             tt_s = T.alloc_shared((2, C, C), half)
             gb_s = T.alloc_shared((2, 2, C), acc)  # [gamma; beta]
-            h_s = T.alloc_shared((dk, BV), half)  # S of the chunk (single buffer)
+            h_s = None if transition else T.alloc_shared((dk, BV), half)  # S of the chunk (single buffer)
             # hand-offs between warpgroups
             ds_s = T.alloc_shared((dk, BV), dtype)  # dS'
             p_s = T.alloc_shared((C, C), dtype)  # P_g
@@ -82,8 +75,9 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
 
             full = T.alloc_barrier([96, 96])  # 3 producer warps + TMA bytes
             empty = T.alloc_barrier([384, 384])  # every consumer thread
-            h_full = T.alloc_barrier(32)
-            h_empty = T.alloc_barrier(128)
+            if not transition:
+                h_full = T.alloc_barrier(32)
+                h_empty = T.alloc_barrier(128)
             ds_ready = T.alloc_barrier(128)  # WG0 published dS'
             ds_free = T.alloc_barrier(256)  # WG1 and WG2 have read it
             p_ready = T.alloc_barrier(128)
@@ -105,8 +99,9 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             if tx < 128:  # WG0: dS
                 T.set_max_nreg(_NREG[0], 1)
                 ds_f = T.alloc_fragment((dk, BV), acc)
-                sq_f = T.alloc_fragment((dk, BV), acc)
-                sd_f = T.alloc_fragment((dk,), acc)
+                if not transition:
+                    sq_f = T.alloc_fragment((dk, BV), acc)
+                    sd_f = T.alloc_fragment((dk,), acc)
                 decay = T.alloc_var(acc)
                 if has_dht:
                     T.copy(dht[seq, hv, :, v0 : v0 + BV], ds_f)
@@ -119,13 +114,13 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                     T.copy(ds_f, ds_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(ds_ready)
-                    # <dS', S> row sums with the fp32 dS'
-                    T.barrier_wait(h_full, j % 2)
-                    for a, b in T.Parallel(dk, BV):
-                        sq_f[a, b] = ds_f[a, b] * T.cast(h_s[a, b], acc)
-                    T.barrier_arrive(h_empty)
-                    T.reduce_sum(sq_f, sd_f, dim=1)
-                    T.copy(sd_f, sd[coff + ci, hv, bv, :])
+                    if not transition:  # <dS', S> row sums with the fp32 dS'
+                        T.barrier_wait(h_full, j % 2)
+                        for a, b in T.Parallel(dk, BV):
+                            sq_f[a, b] = ds_f[a, b] * T.cast(h_s[a, b], acc)
+                        T.barrier_arrive(h_empty)
+                        T.reduce_sum(sq_f, sd_f, dim=1)
+                        T.copy(sd_f, sd[coff + ci, hv, bv, :])
                     T.barrier_wait(full[st], (j // 2) % 2)
                     decay = _exp(gb_s[st, 0, C - 1])
                     for a, b in T.Parallel(dk, BV):
@@ -207,7 +202,8 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                     T.fence_proxy_async()
                     T.barrier_arrive(w_ready)
                     T.barrier_wait(ds_ready, j % 2)
-                    T.copy(ds_s, dh[coff + ci, hv, :, v0 : v0 + BV])
+                    if not transition:
+                        T.copy(ds_s, dh[coff + ci, hv, :, v0 : v0 + BV])
                     T.barrier_arrive(ds_free)
                     T.barrier_arrive(empty[st])
 
@@ -231,10 +227,46 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                         T.tma_copy(tt[coff + ci, hv, :, :], tt_s[st, :, :], barrier=full[st])
                         T.tma_copy(gb[coff + ci, hv, :, :], gb_s[st, :, :], barrier=full[st])
                         T.barrier_arrive(full[st])
-                    else:
+                    elif not transition:
                         T.barrier_wait(h_empty, (j + 1) % 2)
                         T.tma_copy(h[coff + ci, hv, :, v0 : v0 + BV], h_s, barrier=h_full)
                         T.barrier_arrive(h_full)
+
+    if transition:
+
+        @T.prim_func
+        def kernel(
+            q: T.Tensor((n_tok, h_qk, dk), dtype),
+            k: T.Tensor((n_tok, h_qk, dk), dtype),
+            do: T.Tensor((n_tok, h_v, dv), dtype),
+            tt: T.Tensor((n_chunk, h_v, C, C), half),
+            gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+            cu_seqlens: T.Tensor((n_seq1,), "int32"),
+            chunk_offsets: T.Tensor((n_seq1,), "int32"),
+            scale: T.float32,
+            dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
+        ):
+            body(q, k, do, tt, gb, None, cu_seqlens, chunk_offsets, None, scale, None, dh0, None)
+
+    else:
+
+        @T.prim_func
+        def kernel(
+            q: T.Tensor((n_tok, h_qk, dk), dtype),
+            k: T.Tensor((n_tok, h_qk, dk), dtype),
+            do: T.Tensor((n_tok, h_v, dv), dtype),
+            tt: T.Tensor((n_chunk, h_v, C, C), half),
+            gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+            h: T.Tensor((n_chunk, h_v, dk, dv), half),
+            cu_seqlens: T.Tensor((n_seq1,), "int32"),
+            chunk_offsets: T.Tensor((n_seq1,), "int32"),
+            dht: T.Tensor((n_dht, h_v, dk, dv), acc),
+            scale: T.float32,
+            dh: T.Tensor((n_chunk, h_v, dk, dv), dtype),
+            dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
+            sd: T.Tensor((n_chunk, h_v, 2, dk), acc),
+        ):
+            body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, dht, scale, dh, dh0, sd)
 
     return kernel
 
@@ -246,5 +278,10 @@ def variants():
         for dtype in ("bfloat16", "float16")
         for has_h0 in (True, False)
         for has_dht in (True, False)
+        for block_dv in (128, 64)
+    ] + [
+        ("chunk_dstates_ws", dict(dk=128, dv=128, dtype=dtype, has_h0=True, has_dht=False, block_dv=block_dv,
+                                  transition=True))
+        for dtype in ("bfloat16", "float16")
         for block_dv in (128, 64)
     ]

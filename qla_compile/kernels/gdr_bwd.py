@@ -1,271 +1,35 @@
-"""TileLang kernels for the GDN chunked backward on SM90 (chunk C = 64), and their host entry point.
+"""The per-chunk gradient kernel of the GDN chunked backward on SM90 (chunk C = 64).
 
 Notation as in ``shared/docs/gdn-kernel-design.md`` §1.4 and ``reference._backward_chunks`` (the
 executable spec): gamma = in-chunk inclusive cumsum of g, e = exp(gamma), r = exp(gamma_C - gamma),
 a = exp(gamma_C), Gamma_ij = exp(gamma_i - gamma_j) (i >= j), A_g = Gamma o T~ o beta_col,
-P_g = scale Gamma o Q K^T, U0 = K S, W' = V - e o U0, V' = A_g W'.
-
-Pipeline (one packed token stream, chunks numbered globally as in ``gdr_fwd``):
-
-1. ``gdr_fwd.kkt_inverse`` -- T~ per chunk (the forward's kernel, reused).
-2. :func:`chunk_states` -- one CTA per (sequence, v-head, DV slice) runs the state recurrence and
-   stores every chunk-start state S in fp16, ``h[chunk, H_v, K, V]``.
-3. :func:`chunk_dstates` -- one CTA per (sequence, v-head, DV slice) runs the reverse recurrence of
-   dS (fp32 in registers), storing each chunk's incoming dS' as ``dh`` (input dtype), dh0, and the
-   row sums of dS' o S (fp32 dS' times the fp16 h) that dg's gamma_C term needs.
-4. :func:`chunk_grads` -- one CTA per (chunk, qk-head), all chunks in parallel, looping over the GVA
-   group's v-heads: dq, dk (summed over the group on chip), dv, dg and dbeta from q, k, v, dO, T~, S
-   and dS'.
+P_g = scale Gamma o Q K^T, U0 = K S, W' = V - e o U0, V' = A_g W'. The pipeline around it is in
+``backward``: :func:`chunk_grads` gets every chunk's start state S (fp16, ``h``) and incoming state
+gradient dS' (input dtype, ``dh``) from the two recurrences and, one CTA per (chunk, qk-head) looping
+over the GVA group's v-heads, forms dq, dk (summed over the group on chip), dv, dg and dbeta.
 
 dg is formed without cancellation, as in the reference: dg_t = sum_{s>=t} de_s + sum_{s<t} dr_s
 + a <dS', S> + sum_{s>=t, j<t} Y_sj with Y = dP o P_g + dA o A_g, all in fp32.
 
-Precision.  Accumulators are fp32.  The state recurrence (:func:`chunk_states`) runs with fp16 GEMM
-operands (K, S, A_g, W', r o V') as the forward does: they are bounded by the scale of v (the forward
-already keeps W' = V - e o K S in fp16) and fp16 has 3 more mantissa bits than bf16; h is stored in
-fp16.  GEMMs with a gradient operand (dO, dS', dV', dU0, dT~, ...) stay in the input dtype, so that in
-bf16 dO-sized values keep their range; :func:`chunk_grads` also keeps K S in the input dtype (its
-shared memory is full).  The <dS', S> term of dg is summed in :func:`chunk_dstates` from the fp32 dS'.
+Precision.  Accumulators are fp32.  The state recompute (the fused forward's ``store_h`` mode) keeps
+the forward's precision (S in the input dtype for K S; fp16 A_g, W', V', r o K) and stores h in fp16.
+GEMMs with a gradient operand (dO, dS', dV', dU0, dT~, ...) stay in the input dtype, so that in bf16
+dO-sized values keep their range; :func:`chunk_grads` also keeps K S in the input dtype (its shared
+memory is full).  The <dS', S> term of dg is summed by ``fused_bwd.chunk_dstates_ws`` from the fp32 dS'.
 dg of a no-decay head is what this is for: it is made of inner products of S and dS', so it carries
 the relative error of both.  (FP64 emulation of the bf16 GPU test case with GVA, L2 norm and h0, 200
 draws: dg's relative error RMS 5.9e-3 -> 4.4e-3 and draws above 1e-2 9.5% -> 2%; the bf16 rounding of
 the L2-normalised q, k before the kernels alone gives 2.3e-3 RMS.)
 """
 
-import torch
 import tilelang.language as T
 
-from . import _DTYPES, _block_dv, _check, _tables, gdr_fwd
+from . import _DTYPES, gdr_fwd
 from ._build import compiled
 from .fused_fwd import _PTX, _ex2, _exp
 
 CHUNK = gdr_fwd.CHUNK
 _LOG2E = 1.4426950408889634
-
-
-@compiled
-def chunk_states(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128, threads: int = 256):
-    """Chunk-start states ``h[chunk, hv] = S`` (fp16) of the forward recurrence.
-
-    All GEMM operands are fp16 (K converted from the input dtype, S, A_g, W', r o V').
-    """
-    n_tok = T.dynamic("n_tok")
-    n_chunk = T.dynamic("n_chunk")
-    n_seq1 = T.dynamic("n_seq1")
-    n_h0 = T.dynamic("n_h0")
-    h_qk = T.dynamic("h_qk")
-    h_v = T.dynamic("h_v")
-    C = CHUNK
-    acc = "float32"
-    half = "float16"
-
-    @T.prim_func
-    def kernel(
-        k: T.Tensor((n_tok, h_qk, dk), dtype),
-        v: T.Tensor((n_tok, h_v, dv), dtype),
-        g: T.Tensor((h_v, n_tok), acc),
-        beta: T.Tensor((h_v, n_tok), acc),
-        tt: T.Tensor((n_chunk, h_v, C, C), half),
-        cu_seqlens: T.Tensor((n_seq1,), "int32"),
-        chunk_offsets: T.Tensor((n_seq1,), "int32"),
-        h0: T.Tensor((n_h0, h_v, dk, dv), acc),
-        h: T.Tensor((n_chunk, h_v, dk, dv), half),
-    ):
-        with T.Kernel(n_seq1 - 1, h_v, dv // block_dv, threads=threads) as (seq, hv, bv):
-            k_s = T.alloc_shared((C, dk), dtype)
-            kh_s = T.alloc_shared((C, dk), half)
-            v_s = T.alloc_shared((C, block_dv), dtype)
-            tt_s = T.alloc_shared((C, C), half)
-            g_s = T.alloc_shared((C,), acc)
-            b_s = T.alloc_shared((C,), acc)
-            gam_s = T.alloc_shared((C,), acc)
-            e_s = T.alloc_shared((C,), acc)
-            r_s = T.alloc_shared((C,), acc)
-            s_s = T.alloc_shared((dk, block_dv), half)
-            a_s = T.alloc_shared((C, C), half)
-            w_s = T.alloc_shared((C, block_dv), half)
-            s_f = T.alloc_fragment((dk, block_dv), acc)
-            u_f = T.alloc_fragment((C, block_dv), acc)
-
-            v0 = bv * block_dv
-            bos = cu_seqlens[seq]
-            seqlen = cu_seqlens[seq + 1] - bos
-            coff = chunk_offsets[seq]
-            if has_h0:
-                T.copy(h0[seq, hv, :, v0 : v0 + block_dv], s_f)
-            else:
-                T.clear(s_f)
-
-            for ci in T.serial(T.ceildiv(seqlen, C)):
-                start = bos + ci * C
-                length = T.min(seqlen - ci * C, C)
-                T.copy(k[start : start + C, hv // (h_v // h_qk), :], k_s)
-                T.copy(v[start : start + C, hv, v0 : v0 + block_dv], v_s)
-                T.copy(tt[coff + ci, hv, :, :], tt_s)
-                T.copy(g[hv, start : start + C], g_s)
-                T.copy(beta[hv, start : start + C], b_s)
-                # K in fp16 for the GEMMs (rows past the sequence's end are zero)
-                for i, d in T.Parallel(C, dk):
-                    kh_s[i, d] = T.if_then_else(i < length, T.cast(k_s[i, d], half), T.cast(0, half))
-                if length < C:
-                    for i, d in T.Parallel(C, block_dv):
-                        v_s[i, d] = T.if_then_else(i < length, v_s[i, d], T.cast(0, dtype))
-                for i in T.Parallel(C):
-                    gam_s[i] = T.if_then_else(i < length, g_s[i], T.float32(0))
-                    b_s[i] = T.if_then_else(i < length, b_s[i], T.float32(0))
-                T.cumsum(gam_s, dim=0)
-                for i in T.Parallel(C):
-                    e_s[i] = T.exp2(gam_s[i] * _LOG2E)
-                    r_s[i] = T.exp2((gam_s[C - 1] - gam_s[i]) * _LOG2E)
-                T.copy(s_f, s_s)
-                T.copy(s_s, h[coff + ci, hv, :, v0 : v0 + block_dv])
-                for i, j in T.Parallel(C, C):
-                    gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
-                    a_s[i, j] = T.cast(gm * T.cast(tt_s[i, j], acc) * b_s[j], half)
-                # W' = V - e o K S;  V' = A_g W';  S = a S + K^T (r o V')
-                T.gemm(kh_s, s_s, u_f, clear_accum=True)
-                for i, d in T.Parallel(C, block_dv):
-                    w_s[i, d] = T.cast(T.cast(v_s[i, d], acc) - e_s[i] * u_f[i, d], half)
-                T.gemm(a_s, w_s, u_f, clear_accum=True)
-                for i, d in T.Parallel(C, block_dv):
-                    w_s[i, d] = T.cast(r_s[i] * u_f[i, d], half)
-                for a, b in T.Parallel(dk, block_dv):
-                    s_f[a, b] = s_f[a, b] * e_s[C - 1]
-                T.gemm(kh_s, w_s, s_f, transpose_A=True)
-
-    return kernel
-
-
-@compiled
-def chunk_dstates(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, block_dv: int = 128,
-                  threads: int = 256):
-    """The reverse recurrence dS = a dS' + scale Q^T (e o dO) + K^T dU0 per (sequence, v-head, DV slice).
-
-    Stores each chunk's incoming dS' (input dtype) in ``dh[chunk, hv]`` and dh0 (fp32) when asked.
-    dU0 = -e o A_g^T (r o K dS' + P_g^T dO) is the only state-dependent term, so the chain per chunk
-    is three GEMMs on the state plus two off it.
-    Also ``sd[chunk, hv, bv, :]``: the row sums over this DV slice of dS' o S, with dS' in fp32 and S
-    from ``h`` (fp16), i.e. dg's <dS', S> term without the bf16 rounding of ``dh`` (slot 1 is zero when
-    V is not split).
-    """
-    n_tok = T.dynamic("n_tok")
-    n_chunk = T.dynamic("n_chunk")
-    n_seq1 = T.dynamic("n_seq1")
-    n_dht = T.dynamic("n_dht")
-    h_qk = T.dynamic("h_qk")
-    h_v = T.dynamic("h_v")
-    C = CHUNK
-    acc = "float32"
-    assert dv // block_dv <= 2, "sd has two DV-slice slots"
-
-    @T.prim_func
-    def kernel(
-        q: T.Tensor((n_tok, h_qk, dk), dtype),
-        k: T.Tensor((n_tok, h_qk, dk), dtype),
-        do: T.Tensor((n_tok, h_v, dv), dtype),
-        g: T.Tensor((h_v, n_tok), acc),
-        beta: T.Tensor((h_v, n_tok), acc),
-        tt: T.Tensor((n_chunk, h_v, C, C), "float16"),
-        h: T.Tensor((n_chunk, h_v, dk, dv), "float16"),
-        cu_seqlens: T.Tensor((n_seq1,), "int32"),
-        chunk_offsets: T.Tensor((n_seq1,), "int32"),
-        dht: T.Tensor((n_dht, h_v, dk, dv), acc),
-        scale: T.float32,
-        dh: T.Tensor((n_chunk, h_v, dk, dv), dtype),
-        dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
-        sd: T.Tensor((n_chunk, h_v, 2, dk), acc),
-    ):
-        with T.Kernel(n_seq1 - 1, h_v, dv // block_dv, threads=threads) as (seq, hv, bv):
-            q_s = T.alloc_shared((C, dk), dtype)
-            k_s = T.alloc_shared((C, dk), dtype)
-            do_s = T.alloc_shared((C, block_dv), dtype)
-            h_s = T.alloc_shared((dk, block_dv), "float16")
-            g_s = T.alloc_shared((C,), acc)
-            b_s = T.alloc_shared((C,), acc)
-            gam_s = T.alloc_shared((C,), acc)
-            e_s = T.alloc_shared((C,), acc)
-            r_s = T.alloc_shared((C,), acc)
-            ds_s = T.alloc_shared((dk, block_dv), dtype)
-            a_s = T.alloc_shared((C, C), dtype)
-            p_s = T.alloc_shared((C, C), dtype)
-            x_s = T.alloc_shared((C, block_dv), dtype)  # dV', then dU0
-            w_s = T.alloc_shared((C, block_dv), dtype)  # scale e o dO
-            ds_f = T.alloc_fragment((dk, block_dv), acc)
-            u_f = T.alloc_fragment((C, block_dv), acc)
-            p_f = T.alloc_fragment((C, C), acc)
-            sq_f = T.alloc_fragment((dk, block_dv), acc)
-            sd_f = T.alloc_fragment((dk,), acc)
-
-            hk = hv // (h_v // h_qk)
-            v0 = bv * block_dv
-            bos = cu_seqlens[seq]
-            seqlen = cu_seqlens[seq + 1] - bos
-            coff = chunk_offsets[seq]
-            n_c = T.ceildiv(seqlen, C)
-            if has_dht:
-                T.copy(dht[seq, hv, :, v0 : v0 + block_dv], ds_f)
-            else:
-                T.clear(ds_f)
-
-            for it in T.serial(n_c):
-                ci = n_c - 1 - it
-                start = bos + ci * C
-                length = T.min(seqlen - ci * C, C)
-                T.copy(q[start : start + C, hk, :], q_s)
-                T.copy(k[start : start + C, hk, :], k_s)
-                T.copy(do[start : start + C, hv, v0 : v0 + block_dv], do_s)
-                T.copy(h[coff + ci, hv, :, v0 : v0 + block_dv], h_s)
-                T.copy(g[hv, start : start + C], g_s)
-                T.copy(beta[hv, start : start + C], b_s)
-                if length < C:  # rows past the sequence's end are zero
-                    for i, d in T.Parallel(C, dk):
-                        q_s[i, d] = T.if_then_else(i < length, q_s[i, d], T.cast(0, dtype))
-                        k_s[i, d] = T.if_then_else(i < length, k_s[i, d], T.cast(0, dtype))
-                    for i, d in T.Parallel(C, block_dv):
-                        do_s[i, d] = T.if_then_else(i < length, do_s[i, d], T.cast(0, dtype))
-                for i in T.Parallel(C):
-                    gam_s[i] = T.if_then_else(i < length, g_s[i], T.float32(0))
-                    b_s[i] = T.if_then_else(i < length, b_s[i], T.float32(0))
-                T.cumsum(gam_s, dim=0)
-                for i in T.Parallel(C):
-                    e_s[i] = T.exp2(gam_s[i] * _LOG2E)
-                    r_s[i] = T.exp2((gam_s[C - 1] - gam_s[i]) * _LOG2E)
-                T.copy(ds_f, ds_s)
-                T.copy(ds_s, dh[coff + ci, hv, :, v0 : v0 + block_dv])
-                # <dS', S> row sums with the fp32 dS' (dg's gamma_C term)
-                for a, b in T.Parallel(dk, block_dv):
-                    sq_f[a, b] = ds_f[a, b] * T.cast(h_s[a, b], acc)
-                T.reduce_sum(sq_f, sd_f, dim=1)
-                T.copy(sd_f, sd[coff + ci, hv, bv, :])
-                if block_dv == dv:
-                    for a in T.Parallel(dk):
-                        sd[coff + ci, hv, 1, a] = T.float32(0)
-                T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    gm = T.if_then_else(j <= i, T.exp2((gam_s[i] - gam_s[j]) * _LOG2E), T.float32(0))
-                    p_s[i, j] = T.cast(scale * gm * p_f[i, j], dtype)
-                    a_s[i, j] = T.cast(gm * T.cast(tt[coff + ci, hv, i, j], acc) * b_s[j], dtype)
-                for i, d in T.Parallel(C, block_dv):
-                    w_s[i, d] = T.cast(scale * e_s[i] * T.cast(do_s[i, d], acc), dtype)
-                # dV' = r o K dS' + P_g^T dO;  dU0 = -e o A_g^T dV'
-                T.gemm(k_s, ds_s, u_f, clear_accum=True)
-                for i, d in T.Parallel(C, block_dv):
-                    u_f[i, d] = r_s[i] * u_f[i, d]
-                T.gemm(p_s, do_s, u_f, transpose_A=True)
-                T.copy(u_f, x_s)
-                T.gemm(a_s, x_s, u_f, transpose_A=True, clear_accum=True)
-                for i, d in T.Parallel(C, block_dv):
-                    x_s[i, d] = T.cast(-e_s[i] * u_f[i, d], dtype)
-                # dS = a dS' + Q^T (scale e o dO) + K^T dU0
-                for a, b in T.Parallel(dk, block_dv):
-                    ds_f[a, b] = ds_f[a, b] * e_s[C - 1]
-                T.gemm(q_s, w_s, ds_f, transpose_A=True)
-                T.gemm(k_s, x_s, ds_f, transpose_A=True)
-
-            if has_h0:
-                T.copy(ds_f, dh0[seq, hv, :, v0 : v0 + block_dv])
-
-    return kernel
 
 
 def _gamma(gb_s, a, b):
@@ -615,79 +379,5 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
 
 
 def variants():
-    """``(kernel name, params)`` of every variant :func:`chunk_gdr_bwd_hopper` can launch (for prebuild)."""
-    out = [("chunk_grads", dict(dk=128, dv=128, dtype=dt)) for dt in _DTYPES.values()]
-    for dt in _DTYPES.values():
-        for block_dv in (64, 128):
-            for has_h0 in (False, True):
-                base = dict(dk=128, dv=128, dtype=dt, has_h0=has_h0, block_dv=block_dv)
-                out.append(("chunk_states", base))
-                out += [("chunk_dstates", dict(base, has_dht=has_dht)) for has_dht in (False, True)]
-    return out
-
-
-def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None):
-    """GDN chunked backward on SM90: ``(dq, dk, dv, dg, dbeta, dh0)``.
-
-    Inputs as for ``chunk_gdr_fwd_hopper`` with the activations already applied: q, k ``[B,T,H_qk,K]``
-    (L2-normalised if that option is on), v and do ``[B,T,H_v,V]`` (bf16/fp16, one dtype), g ``[B,T,H_v]``
-    the activated log gate (<= 0), beta ``[B,T,H_v]`` activated; dht and initial_state fp32 ``[N,H_v,K,V]``
-    or None; cu_seqlens ``[N+1]`` (B == 1) or None.  dq, dk, dv come back in q's dtype, dg and dbeta in
-    g's and beta's dtypes, dh0 fp32 (None without an initial state).  Tokens past ``cu_seqlens[-1]``
-    get zero gradients.
-    """
-    _check(q, k, v, g, beta, initial_state, cu_seqlens)
-    B, T_, h_qk, dk = q.shape
-    h_v, dv = v.shape[2], v.shape[3]
-    dtype = _DTYPES[q.dtype]
-    n_tok = B * T_
-    dev = q.device
-    if n_tok == 0:  # nothing to launch; dh0 is dht passed straight through
-        dh0 = None
-        if initial_state is not None:
-            dh0 = torch.zeros_like(initial_state, dtype=torch.float32) if dht is None else dht.float().clone()
-        return tuple(torch.zeros_like(x) for x in (q, k, v, g, beta)) + (dh0,)
-    q3 = q.reshape(n_tok, h_qk, dk).contiguous()
-    k3 = k.reshape(n_tok, h_qk, dk).contiguous()
-    v3 = v.reshape(n_tok, h_v, dv).contiguous()
-    do3 = do.reshape(n_tok, h_v, dv).to(v.dtype).contiguous()
-    g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
-    b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
-    cu, offsets = _tables(cu_seqlens, B, T_, dev)
-    n_seq = cu.numel() - 1
-    n_slots = n_tok // CHUNK + n_seq
-
-    tt = torch.empty(n_slots, h_v, CHUNK, CHUNK, device=dev, dtype=torch.float16)
-    gb = torch.empty(n_slots, h_v, 2, CHUNK, device=dev, dtype=torch.float32)
-    gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g_tok, b_tok, cu, offsets, tt, gb)
-    g2, b2 = g_tok.t().contiguous(), b_tok.t().contiguous()  # head-major for the backward kernels
-
-    has_h0 = initial_state is not None
-    h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty(1, h_v, dk, dv, device=dev)
-    block_dv = _block_dv(n_seq * h_v, dv)  # the forward's rule: split V when few (sequence, head) pairs
-    h = torch.empty(n_slots, h_v, dk, dv, device=dev, dtype=torch.float16)
-    chunk_states(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=block_dv)(k3, v3, g2, b2, tt, cu, offsets, h0, h)
-
-    f32 = dict(device=dev, dtype=torch.float32)
-    has_dht = dht is not None
-    dht_ = dht.to(torch.float32).contiguous() if has_dht else torch.empty(1, h_v, dk, dv, device=dev)
-    dh = torch.empty(n_slots, h_v, dk, dv, device=dev, dtype=q.dtype)
-    dh0 = torch.empty(n_seq, h_v, dk, dv, **f32)
-    sd = torch.empty(n_slots, h_v, 2, dk, **f32)
-    chunk_dstates(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
-        q3, k3, do3, g2, b2, tt, h, cu, offsets, dht_, float(scale), dh, dh0, sd)
-
-    # dq, dk summed over each GVA group in the kernel (fp32 through the scratch when G > 1) and written in the
-    # input dtype; every row of every output is written (the spare chunk slots zero the rows past cu_seqlens[-1])
-    acc = torch.empty(n_slots if h_v > h_qk else 1, h_qk, 2, CHUNK, dk, **f32)
-    dq, dkh = torch.empty_like(q3), torch.empty_like(k3)
-    dvo = torch.empty_like(v3)
-    dg = torch.empty(h_v, n_tok, **f32)
-    db = torch.empty(h_v, n_tok, **f32)
-    chunk_grads(dk=dk, dv=dv, dtype=dtype)(q3, k3, v3, do3, tt, gb, h, dh, sd, cu, offsets, float(scale),
-                                           acc, dq, dkh, dvo, dg, db)
-    dq = dq.view(B, T_, h_qk, dk)
-    dkh = dkh.view(B, T_, h_qk, dk)
-    dg = dg.t().to(g.dtype).reshape(B, T_, h_v)
-    db = db.t().to(beta.dtype).reshape(B, T_, h_v)
-    return dq, dkh, dvo.view(B, T_, h_v, dv), dg, db, (dh0 if has_h0 else None)
+    """``(kernel name, params)`` of every :func:`chunk_grads` variant (for prebuild)."""
+    return [("chunk_grads", dict(dk=128, dv=128, dtype=dt)) for dt in _DTYPES.values()]

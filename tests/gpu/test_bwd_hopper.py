@@ -41,8 +41,8 @@ def _oracle(kw, do, dht, scale):
     return [leaves[n].grad if n in leaves else None for n in names] + [None] * (6 - len(names))
 
 
-def _run(gdr_bwd, kw, do, dht, scale, **options):
-    return gdr_bwd.chunk_gdr_bwd_hopper(
+def _run(backward, kw, do, dht, scale, **options):
+    return backward.chunk_gdr_bwd_hopper(
         do, dht, kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale, kw.get("initial_state"), kw.get("cu_seqlens"),
         **options,
     )
@@ -59,14 +59,14 @@ CASES = {
 
 
 def _check_case(case, params, **options):
-    gdr_bwd = _hopper()
+    backward = _hopper()
     B, T, H, HV, dtype, cu, h0, has_dht = params
     kw, do, dht = _case(B, T, H, HV, dtype, cu, h0, has_dht, seed=len(case) * 7919 + torch.seed() % 1000)
     if "cu_seqlens" in kw:
         kw["cu_seqlens"] = kw["cu_seqlens"].cuda()
     scale = 0.3 if case == "dense-scale" else 128**-0.5
     ref = _oracle(kw, do, dht, scale)
-    got = _run(gdr_bwd, kw, do, dht, scale, **options)
+    got = _run(backward, kw, do, dht, scale, **options)
     errs = {}
     for name, x, r in zip(NAMES, got, ref):
         if r is None:
@@ -85,9 +85,11 @@ def test_gradients_match_oracle(case):
 
 
 CP_CASES = {
-    # the state recompute cut into pieces of 2 chunks (128 tokens): warm-up and exact transitions
+    # pieces of 2 chunks (128 tokens): the state recompute (warm-up or exact transitions) and the reverse
+    # pass (every piece's passed-back gradient, the reverse scan), with one-piece sequences among them
     "cp-varlen-gva-h0-dht": (1, 1100, 2, 4, torch.bfloat16, [0, 400, 401, 1100], True, True),
     "cp-dense-fp16": (2, 700, 1, 2, torch.float16, None, False, True),
+    "cp-varlen-no-dht": (1, 900, 1, 2, torch.bfloat16, [0, 1, 600, 900], False, False),
 }
 
 
@@ -97,16 +99,18 @@ def test_gradients_context_parallel(case):
 
 
 def test_deterministic():
-    gdr_bwd = _hopper()
+    backward = _hopper()
     kw, do, dht = _case(1, 1000, 2, 8, torch.bfloat16, None, True, True, seed=5)
-    first = _run(gdr_bwd, kw, do, dht, 128**-0.5)
+    first = _run(backward, kw, do, dht, 128**-0.5)
     for _ in range(3):
-        again = _run(gdr_bwd, kw, do, dht, 128**-0.5)
+        again = _run(backward, kw, do, dht, 128**-0.5)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
-def test_cuda_graph_forward_backward():
-    gdr_bwd = _hopper()
+@pytest.mark.parametrize("context_parallel", [None, 2])
+def test_cuda_graph_forward_backward(context_parallel):
+    """Capture after an uncaptured call; with pieces of 2 chunks the captured call reuses its plan."""
+    backward = _hopper()
     from qla_compile.kernels import chunk_gdr_fwd_hopper
 
     kw, do, dht = _case(1, 400, 2, 4, torch.bfloat16, [0, 100, 101, 400], True, True, seed=11)
@@ -115,8 +119,8 @@ def test_cuda_graph_forward_backward():
     args = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale, kw["initial_state"], kw["cu_seqlens"])
 
     def step():
-        o, ht = chunk_gdr_fwd_hopper(*args)
-        return (o, ht) + tuple(_run(gdr_bwd, kw, do, dht, scale))
+        o, ht = chunk_gdr_fwd_hopper(*args, context_parallel=context_parallel)
+        return (o, ht) + tuple(_run(backward, kw, do, dht, scale, context_parallel=context_parallel))
 
     eager = step()
     stream = torch.cuda.Stream()
@@ -133,8 +137,8 @@ def test_cuda_graph_forward_backward():
 
 
 def test_tokens_past_last_sequence_get_zero_gradients():
-    gdr_bwd = _hopper()
+    backward = _hopper()
     kw, do, _ = _case(1, 200, 1, 2, torch.bfloat16, [0, 70, 150], False, False, seed=3)
-    got = _run(gdr_bwd, kw, do, None, 128**-0.5)
+    got = _run(backward, kw, do, None, 128**-0.5)
     for name, x in zip(NAMES[:5], got[:5]):
         assert torch.isfinite(x[:, :150]).all() and not x[:, 150:].any(), name
