@@ -58,23 +58,27 @@ def test_warmup_skip_matches_a_loop(cp):
     gb = torch.zeros(n_slots, h_v, 2, 64)
     sums = -torch.rand(n_slots, h_v, generator=gen) * 6  # chunk gate sums in [-6, 0]
     sums[:, 0] = 0  # a head that never decays: always the exact transition
+    sums[33:] = float("nan")  # unused slots hold garbage: never read
     gb[:, :, 0, 63] = sums
-    offs = torch.tensor([0, 8, 16, 24, 30, 38], dtype=torch.int32)
-    last = torch.tensor([False, False, True, False, True])
-    for contractive in (True, False):
-        skip = cp.warmup_skip(gb, offs, last, L, torch.tensor(contractive))
-        for p in range(5):
-            for h in range(h_v):
-                if last[p]:
-                    expect = 1 << 30
-                else:
-                    total, expect = 0.0, -1
-                    for n in range(1, L + 1):  # the last n chunks of the piece
-                        total += sums[offs[p] + L - n, h].item()
-                        if total < -10 and contractive:
-                            expect = L - n
-                            break
-                assert skip[p, h].item() == expect, (p, h, contractive)
+    # two sequences cut every 8 chunks: pieces of 8, 8, 6 and of 8, 3 chunks
+    offs = torch.tensor([0, 8, 16, 22, 30, 33], dtype=torch.int32)
+    forward_last = torch.tensor([False, False, True, False, True])
+    for last in (forward_last, torch.zeros(5, dtype=torch.bool)):  # the backward forms every piece's M
+        for contractive in (True, False):
+            skip = cp.warmup_skip(gb, offs, last, L, torch.tensor(contractive))
+            for p in range(5):
+                n_chunks = int(offs[p + 1] - offs[p])
+                for h in range(h_v):
+                    if last[p]:
+                        expect = 1 << 30
+                    else:
+                        total, expect = 0.0, -1
+                        for n in range(1, n_chunks + 1):  # the last n chunks of the piece
+                            total += sums[offs[p] + n_chunks - n, h].item()
+                            if total < -10 and contractive:
+                                expect = n_chunks - n
+                                break
+                    assert skip[p, h].item() == expect, (p, h, contractive)
 
 
 @pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])

@@ -84,9 +84,11 @@ def warmup_skip(gb, chunk_offsets, last, chunk_len: int, contractive):
     ``beta |k|^2 <= 2``), which the e^-10 bound needs; False forces M everywhere.
     A piece is skipped up to its last chunks whose gate sum drops below -10; -1 if it never does.
     """
-    slots = chunk_offsets[:-1, None].long() + torch.arange(chunk_len, device=gb.device)
-    slots = slots.clamp_max(gb.shape[0] - 1)  # a last piece may be shorter; its row is not used
-    decay = gb[:, :, 0, CHUNK - 1][slots].flip(1).cumsum(1)  # [P, L, H_v]: gate sum of the last n chunks
+    steps = torch.arange(chunk_len, device=gb.device)
+    slots = (chunk_offsets[:-1, None].long() + steps).clamp_max(gb.shape[0] - 1)
+    in_piece = steps < (chunk_offsets[1:] - chunk_offsets[:-1])[:, None]  # a last piece may be shorter
+    sums = torch.where(in_piece[:, :, None], gb[:, :, 0, CHUNK - 1][slots], 0.0)
+    decay = sums.flip(1).cumsum(1)  # [P, L, H_v]: gate sum of the piece's last n chunks (0 past its end)
     below = decay < _WARMUP_LOG_DECAY
     skip = chunk_len - 1 - below.int().argmax(1)
     skip = torch.where(below.any(1) & contractive, skip, -1)
