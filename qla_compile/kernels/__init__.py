@@ -211,28 +211,6 @@ def _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, n_seq, chun
     return o, ht.index_select(0, seq_pieces[1:].long() - 1)
 
 
-def chunk_states(q3, k3, v3, b2, tt, gb, cu, offsets, initial_state, dtype, cp):
-    """Every chunk-start state of the forward recurrence, fp16 ``[n_slots, H_v, K, V]`` (slot numbering
-    of ``offsets``), by the fused forward in its ``store_h`` mode; context-parallel when ``cp`` (a
-    ``_cp_plan``) is given. Returns ``(h, pieces)``, ``pieces`` None or the context-parallel tables the
-    backward's reverse pass reuses: ``(cu, chunk_offsets, seq_pieces, skip, m)`` of the pieces."""
-    n_slots, h_v, dk, dv = tt.shape[0], v3.shape[1], k3.shape[2], v3.shape[2]
-    h = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=torch.float16)
-    pieces = None
-    if cp is not None:
-        cu, offsets, seq_pieces, h0, bv, skip, m = _piece_initial_states(
-            q3, k3, v3, b2, tt, gb, initial_state, dtype, *cp, backward=True)
-        has_h0, pieces = True, (cu, offsets, seq_pieces, skip, m)
-    else:
-        has_h0 = initial_state is not None
-        h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty(
-            1, h_v, dk, dv, device=q3.device, dtype=torch.float32)
-        bv = _block_dv((cu.numel() - 1) * h_v, dv)
-    fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=bv, store_h=True)(
-        q3, k3, v3, tt, gb, cu, offsets, h0, h)
-    return h, pieces
-
-
 def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
                              use_qk_l2norm: bool = False, context_parallel=None):
     """The forward plus the aux a backward can reuse.

@@ -3,7 +3,7 @@
 Pipeline (one packed token stream, chunks numbered as in ``gdr_fwd``; notation in ``gdr_bwd``):
 
 1. ``gdr_fwd.kkt_inverse`` -- T~ and [gamma; beta] per chunk (the forward's kernel).
-2. ``kernels.chunk_states`` -- every chunk-start state S in fp16 by the fused forward in its
+2. :func:`_chunk_states` -- every chunk-start state S in fp16 by the fused forward in its
    ``store_h`` mode, context-parallel under the forward's rule.
 3. ``fused_bwd.chunk_dstates_ws`` -- the reverse recurrence of dS, storing each chunk's incoming dS'
    (input dtype), dh0 and the row sums of dS' o S that dg's gamma_C term needs; context-parallel over
@@ -14,39 +14,61 @@ Pipeline (one packed token stream, chunks numbered as in ``gdr_fwd``; notation i
 
 import torch
 
-from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _cp_plan, _tables, chunk_states, cp_fwd, fused_bwd,
-               gdr_bwd, gdr_fwd)
+from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _cp_plan, _piece_initial_states, _tables, cp_fwd,
+               fused_bwd, fused_fwd, gdr_bwd, gdr_fwd)
 
 CHUNK = gdr_fwd.CHUNK
 
 
+def _chunk_states(q3, k3, v3, b2, tt, gb, cu, offsets, initial_state, dtype, cp):
+    """Every chunk-start state of the forward recurrence, fp16 ``[n_slots, H_v, K, V]`` (slot numbering
+    of ``offsets``), by the fused forward in its ``store_h`` mode; context-parallel when ``cp`` (a
+    ``kernels._cp_plan``) is given. Returns ``(h, pieces)``, ``pieces`` None or the context-parallel tables the
+    backward's reverse pass reuses: ``(cu, chunk_offsets, seq_pieces, skip, m)`` of the pieces."""
+    n_slots, h_v, dk, dv = tt.shape[0], v3.shape[1], k3.shape[2], v3.shape[2]
+    h = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=torch.float16)
+    pieces = None
+    if cp is not None:
+        cu, offsets, seq_pieces, h0, bv, skip, m = _piece_initial_states(
+            q3, k3, v3, b2, tt, gb, initial_state, dtype, *cp, backward=True)
+        has_h0, pieces = True, (cu, offsets, seq_pieces, skip, m)
+    else:
+        has_h0 = initial_state is not None
+        h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty(
+            1, h_v, dk, dv, device=q3.device, dtype=torch.float32)
+        bv = _block_dv((cu.numel() - 1) * h_v, dv)
+    fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=bv, store_h=True)(
+        q3, k3, v3, tt, gb, cu, offsets, h0, h)
+    return h, pieces
+
+
 def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, dht, has_h0, scale, dtype, pieces):
     """``fused_bwd.chunk_dstates_ws``: ``(dh, dh0, sd)``. With the context-parallel ``pieces`` of
-    ``chunk_states``, every piece first passes back the state gradient of a zero one (the transition
+    ``_chunk_states``, every piece first passes back the state gradient of a zero one (the transition
     mode), a reverse scan (``cp_fwd.scan``) chains them into the gradient entering each piece, and the
     pieces then run in parallel."""
     n_slots, h_v, dk, dv = tt.shape[0], do3.shape[1], q3.shape[2], do3.shape[2]
     f32 = dict(device=q3.device, dtype=torch.float32)
     has_dht = dht is not None
     dht = dht.to(torch.float32).contiguous() if has_dht else torch.empty(1, h_v, dk, dv, **f32)
-    if pieces is not None:
+    if pieces is not None:  # from here on the pieces stand for the sequences
         cu, offsets, seq_pieces, skip, m = pieces
-        block_dv = _block_dv((cu.numel() - 1) * h_v, dv)
-        passed = torch.empty(cu.numel() - 1, h_v, dk, dv, **f32)
+    n_seq = cu.numel() - 1
+    block_dv = _block_dv(n_seq * h_v, dv)
+    if pieces is not None:
+        passed = torch.empty(n_seq, h_v, dk, dv, **f32)
         fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=True, has_dht=False, block_dv=block_dv,
                                    transition=True)(q3, k3, do3, tt, gb, cu, offsets, float(scale), passed)
         entering = torch.empty_like(passed)
         cp_fwd.scan(dk=dk, dv=dv, has_h0=has_dht, reverse=True)(passed, m, skip, seq_pieces, dht, entering)
         dht, has_dht = entering, True
-    else:
-        block_dv = _block_dv((cu.numel() - 1) * h_v, dv)
     dh = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=q3.dtype)
-    dh0 = torch.empty(cu.numel() - 1, h_v, dk, dv, **f32)
+    dh0 = torch.empty(n_seq, h_v, dk, dv, **f32)
     sd = (torch.empty if block_dv < dv else torch.zeros)(n_slots, h_v, 2, dk, **f32)
     fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
         q3, k3, do3, tt, gb, h, cu, offsets, dht, float(scale), dh, dh0, sd)
     if pieces is not None and has_h0:  # each sequence's dh0 is its first piece's
-        dh0 = dh0.index_select(0, pieces[2][:-1].long())
+        dh0 = dh0.index_select(0, seq_pieces[:-1].long())
     return dh, dh0, sd
 
 
@@ -87,7 +109,7 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     gb = torch.empty(n_slots, h_v, 2, CHUNK, device=dev, dtype=torch.float32)
     gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g_tok, b_tok, cu, offsets, tt, gb)
     cp = _cp_plan(context_parallel, cu_seqlens, B, T_, h_v, dev)
-    h, pieces = chunk_states(q3, k3, v3, b_tok, tt, gb, cu, offsets, initial_state, dtype, cp)
+    h, pieces = _chunk_states(q3, k3, v3, b_tok, tt, gb, cu, offsets, initial_state, dtype, cp)
     has_h0 = initial_state is not None
     dh, dh0, sd = _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, dht, has_h0, scale, dtype, pieces)
 
