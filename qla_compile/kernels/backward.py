@@ -23,8 +23,8 @@ CHUNK = gdr_fwd.CHUNK
 def _chunk_states(q3, k3, v3, b2, tt, gb, cu, offsets, initial_state, dtype, cp):
     """Every chunk-start state of the forward recurrence, fp16 ``[n_slots, H_v, K, V]`` (slot numbering
     of ``offsets``), by the fused forward in its ``store_h`` mode; context-parallel when ``cp`` (a
-    ``kernels._cp_plan``) is given. Returns ``(h, pieces)``, ``pieces`` None or the context-parallel tables the
-    backward's reverse pass reuses: ``(cu, chunk_offsets, seq_pieces, skip, m)`` of the pieces."""
+    ``kernels._cp_plan``) is given. Returns ``(h, pieces)``: ``pieces`` is None or the context-parallel
+    tables the reverse pass reuses, ``(cu, chunk_offsets, seq_pieces, skip, m)`` of the pieces."""
     n_slots, h_v, dk, dv = tt.shape[0], v3.shape[1], k3.shape[2], v3.shape[2]
     h = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=torch.float16)
     pieces = None
