@@ -23,7 +23,8 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("name,params", VARIANTS, ids=[f"{n}-{p['dtype']}-{p.get('block_dv', 128)}" for n, p in VARIANTS])
+@pytest.mark.parametrize("name,params", VARIANTS,
+                         ids=[f"{n}-{p['dtype']}-{p.get('block_dv', 128)}" for n, p in VARIANTS])
 def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
     monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path))
     from qla_compile.kernels import fused_bwd, fused_fwd, gdr_bwd
