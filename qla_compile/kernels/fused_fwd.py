@@ -13,6 +13,9 @@ gate cumsum come from ``gdr_fwd.kkt_inverse`` (notation and chunk numbering ther
   (a partial last chunk is stored by rows, masked).
 * WG3 "producer": one warp TMA-loads q and k, one v, one T~ and [gamma; beta] into a two-stage ring.
 
+Two more modes share this body: ``transition`` (context parallelism, see ``cp_fwd``) and ``store_h``
+(the backward's state recompute: no output; WG0 also writes S_i in fp16, which WG2 TMA-stores per chunk).
+
 The state chain per chunk is publish S -> K S -> W' -> A_g W' -> (r o K)^T V'; the rest runs beside it.
 Every gate factor is one SFU ex2 of a difference of per-row and per-column terms that each thread
 computes once per chunk (``_gamma_times``); the elementwise work per chunk, more than the tensor cores,
