@@ -118,6 +118,8 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                         T.barrier_wait(h_full, j % 2)
                         for a, b in T.Parallel(dk, BV):
                             sq_f[a, b] = ds_f[a, b] * T.cast(h_s[a, b], acc)
+                        # the arrive does not wait for loads in flight, and the next S lands right after it
+                        T.fence_proxy_async()
                         T.barrier_arrive(h_empty)
                         T.reduce_sum(sq_f, sd_f, dim=1)
                         T.copy(sd_f, sd[coff + ci, hv, bv, :])
