@@ -142,6 +142,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             pk_f = T.alloc_fragment((C, dk), acc)  # the running dk sum, loaded under the last GEMMs
             s1_f = T.alloc_fragment((C, C), acc)
             s2_f = T.alloc_fragment((C, C), acc)
+            y_f = T.alloc_fragment((C, C), acc)  # Y in registers between reading and writing y_s
             dr_f = T.alloc_fragment((C,), acc)
             deu_f = T.alloc_fragment((C,), acc)
             deq_f = T.alloc_fragment((C,), acc)
@@ -206,10 +207,14 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     T.copy(s1_f, p_s)
                     T.copy(s2_f, a_s)
                     T.copy(tt16[0, :, :], tt_s)
-                    # W' = V - e o U0 (v_s keeps e o U0);  V' = A_g W'
+                    # W' = V - e o U0 (v_s keeps e o U0);  V' = A_g W'. No loop writes shared memory that it also
+                    # reads (W' goes through b2_f, stmatrix): TileLang puts a __syncthreads in every unrolled iteration
+                    # of such loops.
                     T.gemm(k_s, s_s, b1_f, clear_accum=True)
                     for i, d in T.Parallel(C, dv):
-                        w_s[i, d] = T.cast(T.cast(v_s[i, d], acc) - e_s[i] * b1_f[i, d], dtype)
+                        b2_f[i, d] = T.cast(v_s[i, d], acc) - e_s[i] * b1_f[i, d]
+                    T.copy(b2_f, w_s)
+                    for i, d in T.Parallel(C, dv):
                         v_s[i, d] = T.cast(e_s[i] * b1_f[i, d], dtype)
                     T.gemm(a_s, w_s, b1_f, clear_accum=True)
                     T.copy(b1_f, vn_s)
@@ -253,7 +258,9 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     T.copy(db1_f, db_s)
                     T.sync_threads()  # every thread has read the fp16 T~ (tt16 is y_s's memory)
                     for i, j in T.Parallel(C, C):
-                        y_s[i, _ysw(i, j)] = s2_f[i, j] * gb_s[1, j]
+                        s2_f[i, j] = s2_f[i, j] * gb_s[1, j]
+                    for i, j in T.Parallel(C, C):
+                        y_s[i, _ysw(i, j)] = s2_f[i, j]
                     # dL = -(T~^T dT~ T~^T) strictly lower;  dbeta_i += rowsum(dL o K K^T);  p_s <- beta o dL
                     T.gemm(tt_s, p_s, s1_f, transpose_A=True, clear_accum=True)
                     T.copy(s1_f, a_s)
@@ -273,7 +280,9 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     T.gemm(q_s, k_s, s2_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
                         s1_f[i, j] = scale * _gamma(gb_s, i, j) * s1_f[i, j]
-                        y_s[i, _ysw(i, j)] += s1_f[i, j] * s2_f[i, j]
+                        y_f[i, j] = y_s[i, _ysw(i, j)] + s1_f[i, j] * s2_f[i, j]
+                    for i, j in T.Parallel(C, C):
+                        y_s[i, _ysw(i, j)] = y_f[i, j]
                     T.copy(s1_f, a_s)
                     # dq = scale e o (dO S^T) + dQK K;  de += rowsum(q o scale e o dO S^T)
                     T.gemm(do_s, s_s, b1_f, transpose_B=True, clear_accum=True)
