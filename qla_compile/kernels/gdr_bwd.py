@@ -232,7 +232,10 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                         T.tma_copy(h[chunk, hv, :, :], s_s, barrier=bar)
                     T.barrier_arrive(bar)
                     if dtype != half:
-                        T.copy(h[chunk, hv, :, :], s_s)  # fp16 -> bf16 while the TMA loads are in flight
+                        # fp16 -> bf16 while the TMA loads are in flight (through fp32 explicitly: TileLang then converts
+                        # pairs, __half22float2 + __float22bfloat162_rn, instead of one element at a time)
+                        for i, d in T.Parallel(dk, dv):
+                            s_s[i, d] = T.cast(T.cast(h[chunk, hv, i, d], acc), dtype)
                     T.barrier_wait(bar, g % 2)
                     if length < C:  # rows past the sequence's end are zero (gb has g = beta = 0 there)
                         if g == 0:
@@ -253,7 +256,11 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                         s1_f[i, j] = scale * gm * s1_f[i, j]
                     T.copy(s1_f, p_s)
                     T.copy(s2_f, a_s)
-                    T.copy(tt16[0, :, :], tt_s)
+                    if dtype == half:
+                        T.copy(tt16[0, :, :], tt_s)
+                    else:
+                        for i, j in T.Parallel(C, C):  # through fp32, as for h above
+                            tt_s[i, j] = T.cast(T.cast(tt16[0, i, j], acc), dtype)
                     # W' = V - e o U0 (v_s keeps e o U0);  V' = A_g W'. No loop writes shared memory that it also
                     # reads (W' goes through b2_f, stmatrix): TileLang puts a __syncthreads in every unrolled iteration
                     # of such loops.
