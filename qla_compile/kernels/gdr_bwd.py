@@ -238,13 +238,16 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                             s_s[i, d] = T.cast(T.cast(h[chunk, hv, i, d], acc), dtype)
                     T.barrier_wait(bar, g % 2)
                     if length < C:  # rows past the sequence's end are zero (gb has g = beta = 0 there)
+                        # stores only (a loop that reads what it writes gets a __syncthreads per unrolled iteration)
                         if g == 0:
                             for i, d in T.Parallel(C, dk):
-                                q_s[i, d] = T.if_then_else(i < length, q_s[i, d], T.cast(0, dtype))
-                                k_s[i, d] = T.if_then_else(i < length, k_s[i, d], T.cast(0, dtype))
+                                if i >= length:
+                                    q_s[i, d] = T.cast(0, dtype)
+                                    k_s[i, d] = T.cast(0, dtype)
                         for i, d in T.Parallel(C, dv):
-                            v_s[i, d] = T.if_then_else(i < length, v_s[i, d], T.cast(0, dtype))
-                            do_s[i, d] = T.if_then_else(i < length, do_s[i, d], T.cast(0, dtype))
+                            if i >= length:
+                                v_s[i, d] = T.cast(0, dtype)
+                                do_s[i, d] = T.cast(0, dtype)
                     for i in T.Parallel(C):
                         e_s[i] = _exp(gb_s[0, i])
                         r_s[i] = _exp(gb_s[0, C - 1] - gb_s[0, i])
