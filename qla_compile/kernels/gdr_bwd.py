@@ -87,11 +87,16 @@ def _row_partials(frag, groups, part, out_s, tx):
 
 
 @T.macro
-def _col_partials(frag, part, out_s, tx):
-    """Column sums of the (64, 64) accumulator ``frag`` per warp: ``out_s[warp % 4, column]`` (every lane
-    shuffles; lanes 0-3 write)."""
+def _col_sums(frag, part):
+    """Column sums of the (64, 64) accumulator ``frag`` over the 16 rows of each warp, into ``part[:8]`` (every
+    lane shuffles; registers only)."""
     for c in T.unroll(8):
         part[c] = T.call_extern("float32", "qla_colsum", frag.data, c)
+
+
+@T.macro
+def _col_store(part, out_s, tx):
+    """``out_s[warp % 4, column]`` = the warp's column sums from :func:`_col_sums` (lanes 0-3 write)."""
     if tx % 32 < 4:
         for c in T.unroll(8):
             out_s[(tx % 128) // 32, (tx // 128) * 32 + (c // 2) * 8 + (tx % 4) * 2 + c % 2] = part[c]
@@ -309,11 +314,14 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                         gm = _gamma(gb_s, i, j)
                         s2_f[i, j] = s1_f[i, j] * gm * T.cast(tt16[0, i, j], acc)
                         s1_f[i, j] = s1_f[i, j] * gm * gb_s[1, j]
-                    T.copy(s1_f, p_s)
-                    _col_partials(s2_f, part, pb1_s, tx)
-                    T.sync_threads()  # every thread has read the fp16 T~ (tt16 is y_s's memory)
+                    # register work first, then the shared-memory writes behind one sync (TileLang fences every
+                    # shared-memory write that follows other shared-memory accesses)
+                    _col_sums(s2_f, part)
                     for i, j in T.Parallel(C, C):
                         s2_f[i, j] = s2_f[i, j] * gb_s[1, j]
+                    T.copy(s1_f, p_s)
+                    T.sync_threads()  # every thread has read the fp16 T~ (tt16 is y_s's memory)
+                    _col_store(part, pb1_s, tx)
                     for i, j in T.Parallel(C, C):
                         y_s[i, _ysw(i, j)] = s2_f[i, j]
                     # dL = -(T~^T dT~ T~^T) strictly lower;  dbeta_i += rowsum(dL o K K^T);  p_s <- beta o dL
