@@ -49,6 +49,59 @@ def _reduce_scatter(vals, lane, m, half):
         vals[u] = T.if_then_else(up, vals[u + half], vals[u]) + T.shfl_xor(send, m)
 
 
+# Partial row and column sums of this kernel's wgmma accumulators (M = 64 rows over the 4 warps of a
+# warpgroup, N split between the 2 warpgroups): element e of a thread with G groups of 8 columns per warpgroup
+# is row 16 (warp % 4) + 8 ((e % 4) // 2) + lane // 4, column N / 2 (tx // 128) + 8 (e // 4) + 2 (lane % 4) + e % 2
+# (the layout TileLang's own reduce_sum indexes). A row sum is complete within a warpgroup after the 4 lanes
+# of a row are summed, a column sum within a warp after its 8 row lanes are: each warpgroup (warp) writes its
+# partial to shared memory and the reader adds the 2 (4) partials in fixed order, instead of reduce_sum's
+# cross-warpgroup exchange through a workspace (3 barriers per value, 40 for the 8 values of a column sum).
+_RED = r"""
+template <int G> __device__ __forceinline__ float qla_rowsum(const float* f, int h) {
+  float s = 0.f;
+  #pragma unroll
+  for (int rv = 0; rv < 2 * G; ++rv) s += f[(rv % G) * 4 + h * 2 + rv / G];
+  s += __shfl_xor_sync(0xffffffffu, s, 2);
+  s += __shfl_xor_sync(0xffffffffu, s, 1);
+  return s;
+}
+__device__ __forceinline__ float qla_colsum(const float* f, int c) {
+  float s = f[(c >> 1) * 4 + (c & 1)] + f[(c >> 1) * 4 + 2 + (c & 1)];
+  s += __shfl_xor_sync(0xffffffffu, s, 16);
+  s += __shfl_xor_sync(0xffffffffu, s, 8);
+  s += __shfl_xor_sync(0xffffffffu, s, 4);
+  return s;
+}
+"""
+
+
+@T.macro
+def _row_partials(frag, groups, part, out_s, tx):
+    """Row sums of the (64, 16 groups) accumulator ``frag`` per warpgroup: ``out_s[tx // 128, row]`` (every lane
+    shuffles; lane % 4 == 0 writes)."""
+    for h in T.unroll(2):
+        part[h] = T.call_extern("float32", f"qla_rowsum<{groups}>", frag.data, h)
+    if tx % 4 == 0:
+        for h in T.unroll(2):
+            out_s[tx // 128, (tx % 128) // 32 * 16 + h * 8 + (tx % 32) // 4] = part[h]
+
+
+@T.macro
+def _col_sums(frag, part):
+    """Column sums of the (64, 64) accumulator ``frag`` over the 16 rows of each warp, into ``part[:8]`` (every
+    lane shuffles; registers only)."""
+    for c in T.unroll(8):
+        part[c] = T.call_extern("float32", "qla_colsum", frag.data, c)
+
+
+@T.macro
+def _col_store(part, out_s, tx):
+    """``out_s[warp % 4, column]`` = the warp's column sums from :func:`_col_sums` (lanes 0-3 write)."""
+    if tx % 32 < 4:
+        for c in T.unroll(8):
+            out_s[(tx % 128) // 32, (tx // 128) * 32 + (c // 2) * 8 + (tx % 4) * 2 + c % 2] = part[c]
+
+
 def _ysw(i, j):
     """Column of Y[i, j] in y_s: 4-float groups XOR-swizzled by row, so that a warp reading one 4-float group
     from each of 32 rows hits every bank once per 8 rows."""
@@ -112,7 +165,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
         db_out: T.Tensor((h_v, n_tok), acc),
     ):
         with T.Kernel(n_chunk + 1, h_qk, threads=threads) as (chunk, hk):
-            T.import_source(_PTX)
+            T.import_source(_PTX + _RED)
             q_s = T.alloc_shared((C, dk), dtype)
             k_s = T.alloc_shared((C, dk), dtype)
             v_s = T.alloc_shared((C, dv), dtype)  # V, then e o U0, then dU0
@@ -133,8 +186,11 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             r_s = T.alloc_shared((C,), acc)
             de_s = T.alloc_shared((C,), acc)
             dr_s = T.alloc_shared((C,), acc)
-            db_s = T.alloc_shared((C,), acc)
-            db2_s = T.alloc_shared((C,), acc)
+            pr_s = T.alloc_shared((2, C), acc)  # per-warpgroup partial row sums: dr, de (dU0 and dq parts), dbeta (dL)
+            pu_s = T.alloc_shared((2, C), acc)
+            pq_s = T.alloc_shared((2, C), acc)
+            pb2_s = T.alloc_shared((2, C), acc)
+            pb1_s = T.alloc_shared((4, C), acc)  # per-warp partial column sums: dbeta (dA)
             bar = T.alloc_barrier(threads)
             b1_f = T.alloc_fragment((C, dv), acc)
             b2_f = T.alloc_fragment((C, dv), acc)
@@ -142,11 +198,8 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             pk_f = T.alloc_fragment((C, dk), acc)  # the running dk sum, loaded under the last GEMMs
             s1_f = T.alloc_fragment((C, C), acc)
             s2_f = T.alloc_fragment((C, C), acc)
-            dr_f = T.alloc_fragment((C,), acc)
-            deu_f = T.alloc_fragment((C,), acc)
-            deq_f = T.alloc_fragment((C,), acc)
-            db1_f = T.alloc_fragment((C,), acc)
-            db2_f = T.alloc_fragment((C,), acc)
+            y_f = T.alloc_fragment((C, C), acc)  # Y in registers between reading and writing y_s
+            part = T.alloc_local((8,), acc)
             yr = T.alloc_local((16,), acc)
 
             grp = T.alloc_var("int32", init=h_v // h_qk)  # G, once, not per access
@@ -184,16 +237,22 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                         T.tma_copy(h[chunk, hv, :, :], s_s, barrier=bar)
                     T.barrier_arrive(bar)
                     if dtype != half:
-                        T.copy(h[chunk, hv, :, :], s_s)  # fp16 -> bf16 while the TMA loads are in flight
+                        # fp16 -> bf16 while the TMA loads are in flight (through fp32 explicitly: TileLang then converts
+                        # pairs, __half22float2 + __float22bfloat162_rn, instead of one element at a time)
+                        for i, d in T.Parallel(dk, dv):
+                            s_s[i, d] = T.cast(T.cast(h[chunk, hv, i, d], acc), dtype)
                     T.barrier_wait(bar, g % 2)
                     if length < C:  # rows past the sequence's end are zero (gb has g = beta = 0 there)
+                        # stores only (a loop that reads what it writes gets a __syncthreads per unrolled iteration)
                         if g == 0:
                             for i, d in T.Parallel(C, dk):
-                                q_s[i, d] = T.if_then_else(i < length, q_s[i, d], T.cast(0, dtype))
-                                k_s[i, d] = T.if_then_else(i < length, k_s[i, d], T.cast(0, dtype))
+                                if i >= length:
+                                    q_s[i, d] = T.cast(0, dtype)
+                                    k_s[i, d] = T.cast(0, dtype)
                         for i, d in T.Parallel(C, dv):
-                            v_s[i, d] = T.if_then_else(i < length, v_s[i, d], T.cast(0, dtype))
-                            do_s[i, d] = T.if_then_else(i < length, do_s[i, d], T.cast(0, dtype))
+                            if i >= length:
+                                v_s[i, d] = T.cast(0, dtype)
+                                do_s[i, d] = T.cast(0, dtype)
                     for i in T.Parallel(C):
                         e_s[i] = _exp(gb_s[0, i])
                         r_s[i] = _exp(gb_s[0, C - 1] - gb_s[0, i])
@@ -205,11 +264,19 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                         s1_f[i, j] = scale * gm * s1_f[i, j]
                     T.copy(s1_f, p_s)
                     T.copy(s2_f, a_s)
-                    T.copy(tt16[0, :, :], tt_s)
-                    # W' = V - e o U0 (v_s keeps e o U0);  V' = A_g W'
+                    if dtype == half:
+                        T.copy(tt16[0, :, :], tt_s)
+                    else:
+                        for i, j in T.Parallel(C, C):  # through fp32, as for h above
+                            tt_s[i, j] = T.cast(T.cast(tt16[0, i, j], acc), dtype)
+                    # W' = V - e o U0 (v_s keeps e o U0);  V' = A_g W'. No loop writes shared memory that it also
+                    # reads (W' goes through b2_f, stmatrix): TileLang puts a __syncthreads in every unrolled iteration
+                    # of such loops.
                     T.gemm(k_s, s_s, b1_f, clear_accum=True)
                     for i, d in T.Parallel(C, dv):
-                        w_s[i, d] = T.cast(T.cast(v_s[i, d], acc) - e_s[i] * b1_f[i, d], dtype)
+                        b2_f[i, d] = T.cast(v_s[i, d], acc) - e_s[i] * b1_f[i, d]
+                    T.copy(b2_f, w_s)
+                    for i, d in T.Parallel(C, dv):
                         v_s[i, d] = T.cast(e_s[i] * b1_f[i, d], dtype)
                     T.gemm(a_s, w_s, b1_f, clear_accum=True)
                     T.copy(b1_f, vn_s)
@@ -218,8 +285,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     for i, d in T.Parallel(C, dv):
                         b2_f[i, d] = r_s[i] * b2_f[i, d]
                         b1_f[i, d] = b1_f[i, d] * b2_f[i, d]
-                    T.reduce_sum(b1_f, dr_f, dim=1)
-                    T.copy(dr_f, dr_s)
+                    _row_partials(b1_f, dv // 16, part, pr_s, tx)
                     T.gemm(p_s, do_s, b2_f, transpose_A=True)
                     T.copy(b2_f, dvn_s)
                     # dk starts with r o (V' dS'^T)
@@ -240,7 +306,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     # de -= rowsum(e o U0 o dW');  v_s <- dU0 = -e o dW'
                     for i, d in T.Parallel(C, dv):
                         b2_f[i, d] = T.cast(v_s[i, d], acc) * b1_f[i, d]
-                    T.reduce_sum(b2_f, deu_f, dim=1)
+                    _row_partials(b2_f, dv // 16, part, pu_s, tx)
                     for i, d in T.Parallel(C, dv):
                         v_s[i, d] = T.cast(-e_s[i] * b1_f[i, d], dtype)
                     # dbeta_j += sum_i dA o Gamma o T~;  dT~ = dA o Gamma o beta_col (p_s);  Y = dA o A_g
@@ -248,12 +314,16 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                         gm = _gamma(gb_s, i, j)
                         s2_f[i, j] = s1_f[i, j] * gm * T.cast(tt16[0, i, j], acc)
                         s1_f[i, j] = s1_f[i, j] * gm * gb_s[1, j]
-                    T.copy(s1_f, p_s)
-                    T.reduce_sum(s2_f, db1_f, dim=0)
-                    T.copy(db1_f, db_s)
-                    T.sync_threads()  # every thread has read the fp16 T~ (tt16 is y_s's memory)
+                    # register work first, then the shared-memory writes behind one sync (TileLang fences every
+                    # shared-memory write that follows other shared-memory accesses)
+                    _col_sums(s2_f, part)
                     for i, j in T.Parallel(C, C):
-                        y_s[i, _ysw(i, j)] = s2_f[i, j] * gb_s[1, j]
+                        s2_f[i, j] = s2_f[i, j] * gb_s[1, j]
+                    T.copy(s1_f, p_s)
+                    T.sync_threads()  # every thread has read the fp16 T~ (tt16 is y_s's memory)
+                    _col_store(part, pb1_s, tx)
+                    for i, j in T.Parallel(C, C):
+                        y_s[i, _ysw(i, j)] = s2_f[i, j]
                     # dL = -(T~^T dT~ T~^T) strictly lower;  dbeta_i += rowsum(dL o K K^T);  p_s <- beta o dL
                     T.gemm(tt_s, p_s, s1_f, transpose_A=True, clear_accum=True)
                     T.copy(s1_f, a_s)
@@ -264,8 +334,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                         s2_f[i, j] = dl * s2_f[i, j]
                         s1_f[i, j] = gb_s[1, i] * dl
                     T.copy(s1_f, p_s)
-                    T.reduce_sum(s2_f, db2_f, dim=1)
-                    T.copy(db2_f, db2_s)
+                    _row_partials(s2_f, C // 16, part, pb2_s, tx)
                     T.gemm(p_s, k_s, dk_f)
                     T.gemm(p_s, k_s, dk_f, transpose_A=True)
                     # dP = dO V'^T;  dQK = scale Gamma o dP (a_s);  Y += dP o P_g (Q K^T recomputed)
@@ -273,14 +342,16 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     T.gemm(q_s, k_s, s2_f, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(C, C):
                         s1_f[i, j] = scale * _gamma(gb_s, i, j) * s1_f[i, j]
-                        y_s[i, _ysw(i, j)] += s1_f[i, j] * s2_f[i, j]
+                        y_f[i, j] = y_s[i, _ysw(i, j)] + s1_f[i, j] * s2_f[i, j]
+                    for i, j in T.Parallel(C, C):
+                        y_s[i, _ysw(i, j)] = y_f[i, j]
                     T.copy(s1_f, a_s)
                     # dq = scale e o (dO S^T) + dQK K;  de += rowsum(q o scale e o dO S^T)
                     T.gemm(do_s, s_s, b1_f, transpose_B=True, clear_accum=True)
                     for i, d in T.Parallel(C, dk):
                         b1_f[i, d] = scale * e_s[i] * b1_f[i, d]
                         b2_f[i, d] = b1_f[i, d] * T.cast(q_s[i, d], acc)
-                    T.reduce_sum(b2_f, deq_f, dim=1)
+                    _row_partials(b2_f, dk // 16, part, pq_s, tx)
                     # the group's running dq, dk sums (b2_f is free now), in flight under the GEMMs below (chunk <
                     # n_acc always holds where G > 1; the test spares a bounds check per element)
                     if g > 0 and chunk < n_acc:
@@ -311,8 +382,8 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     # left_st = sum_{j<t} Y_sj; the a <dS', S> term is folded into de_s and dr_s.
                     for i in T.Parallel(C):
                         sda = e_s[C - 1] * ((sd_s[0, i] + sd_s[1, i]) + (sd_s[0, i + C] + sd_s[1, i + C]))
-                        de_s[i] = sda + (deq_f[i] - deu_f[i])
-                        dr_s[i] = sda + dr_s[i]
+                        de_s[i] = sda + ((pq_s[0, i] + pq_s[1, i]) - (pu_s[0, i] + pu_s[1, i]))
+                        dr_s[i] = sda + (pr_s[0, i] + pr_s[1, i])
                     T.sync_threads()
                     # thread (row i = tx % 64, column quarter qq = tx // 64): its 16 Y values, their prefix sums, and
                     # the row sums of the quarters to its left
@@ -349,7 +420,9 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     T.sync_threads()
                     if tx < length:
                         dg_out[hv, start + tx] = y_s[4, tx] + y_s[5, tx]
-                        db_out[hv, start + tx] = db_s[tx] + db2_s[tx]
+                        db_out[hv, start + tx] = ((pb1_s[0, tx] + pb1_s[1, tx]) + (pb1_s[2, tx] + pb1_s[3, tx])) + (
+                            pb2_s[0, tx] + pb2_s[1, tx]
+                        )
                     # every reader of this v-head's tiles (y_s above, the wgmma operands, ...) is done before the
                     # next TMA loads overwrite them; generic writes ordered before those async-proxy writes
                     T.fence_proxy_async()
