@@ -98,12 +98,17 @@ def test_gradients_context_parallel(case):
     _check_case(case, CP_CASES[case], context_parallel=2)
 
 
-def test_deterministic():
+@pytest.mark.parametrize("context_parallel", [None, 2])
+def test_deterministic(context_parallel):
+    """Bitwise equal over many repeats: a race between warpgroups shows up in a few percent of runs (one in
+    the reverse pass's <dS', S> sums did, in the first chunk walked of sequences ending mid-chunk)."""
     backward = _hopper()
-    kw, do, dht = _case(1, 1000, 2, 8, torch.bfloat16, None, True, True, seed=5)
-    first = _run(backward, kw, do, dht, 128**-0.5)
-    for _ in range(3):
-        again = _run(backward, kw, do, dht, 128**-0.5)
+    cu = [0, 100, 301, 302, 530, 700, 777, 1000, 1201]
+    kw, do, dht = _case(1, 1201, 2, 8, torch.bfloat16, cu, True, True, seed=5)
+    kw["cu_seqlens"] = kw["cu_seqlens"].cuda()
+    first = _run(backward, kw, do, dht, 128**-0.5, context_parallel=context_parallel)
+    for _ in range(50):
+        again = _run(backward, kw, do, dht, 128**-0.5, context_parallel=context_parallel)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
