@@ -46,12 +46,12 @@ def configs(quick):
 def step_fn(impl, x, do, dht):
     q, k, v, g, beta, h0, cu, scale = (x[n] for n in ("q", "k", "v", "g", "beta", "h0", "cu", "scale"))
     if impl == "qla":
-        from qla_compile.kernels import chunk_gdr_fwd_hopper
+        from qla_compile.kernels import chunk_gdr_fwd_hopper_aux
         from qla_compile.kernels.backward import chunk_gdr_bwd_hopper
 
-        def step():
-            chunk_gdr_fwd_hopper(q, k, v, g, beta, scale, h0, cu)
-            return chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale, h0, cu)
+        def step():  # as the autograd op: the backward reuses the forward's T~ and [gamma; beta]
+            _, _, tt, gb, _ = chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale, h0, cu)
+            return chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale, h0, cu, aux=(tt, gb))
 
         return step
     if impl == "fla":

@@ -15,6 +15,7 @@ import os
 import torch
 
 from .reference import (
+    CHUNK,
     GDROptions,
     activation_bwd,
     activate_gates,
@@ -48,27 +49,47 @@ def _state_to_kv(state, opts: GDROptions):
     return (state.mT if opts.state_v_first else state).contiguous()
 
 
+def aux_like(q, k, v, cu_seqlens):
+    """Uninitialised tensors shaped like the forward's aux ``(tt, gb)``: the Hopper forward's T~ (fp16
+    ``[n_slots, H_v, 64, 64]``) and [gamma; beta] (fp32 ``[n_slots, H_v, 2, 64]``) with
+    ``n_slots = B*T // 64 + N``, flattened to 1-D (a dimension that may be 1, like n_slots, would cost a
+    torch.compile guard and a recompile); no elements on the reference path, whose backward recomputes."""
+    rows = 0
+    if select(q, k, v) == "hopper":
+        n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        rows = (q.shape[0] * q.shape[1] // CHUNK + n_seq) * v.shape[2] * CHUNK
+    return v.new_empty(rows * CHUNK, dtype=torch.float16), v.new_empty(rows * 2, dtype=torch.float32)
+
+
 def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions):
+    """``(o, final_state, tt, gb)``; ``tt, gb`` as described by :func:`aux_like`."""
     if select(q, k, v) == "reference":
-        return chunk_gdr_fwd_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+        o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+        return o, ht, *aux_like(q, k, v, cu_seqlens)
     g, beta = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
-    o, ht = _kernels().chunk_gdr_fwd_hopper(
+    o, ht, tt, gb, _ = _kernels().chunk_gdr_fwd_hopper_aux(
         q, k, v, g, beta, opts.scale, _state_to_kv(initial_state, opts), cu_seqlens, opts.use_qk_l2norm_in_kernel
     )
-    return o, (ht.mT.contiguous() if opts.state_v_first else ht)
+    return o, (ht.mT.contiguous() if opts.state_v_first else ht), tt.view(-1), gb.view(-1)
 
 
-def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions):
+def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions, aux=None):
+    """Every input gradient; ``aux``: the forward's flat ``(tt, gb)``, used on the Hopper path (None there
+    recomputes them)."""
     if select(q, k, v) == "reference":
         return chunk_gdr_bwd_reference(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
     kernels = _kernels()
     from .kernels.backward import chunk_gdr_bwd_hopper
 
+    if aux is not None:
+        h_v = v.shape[2]
+        aux = (aux[0].view(-1, h_v, CHUNK, CHUNK), aux[1].view(-1, h_v, 2, CHUNK))
+
     qa, ka = (kernels._l2norm(q), kernels._l2norm(k)) if opts.use_qk_l2norm_in_kernel else (q, k)
     ga, ba = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
     dqa, dka, dv, dga, dba, dh0 = chunk_gdr_bwd_hopper(
         do.contiguous(), _state_to_kv(dht, opts), qa, ka, v, ga, ba, opts.scale,
-        _state_to_kv(initial_state, opts), cu_seqlens,
+        _state_to_kv(initial_state, opts), cu_seqlens, aux=aux,
     )
     dq, dk, dg, dbeta, dA_log, ddt_bias = activation_bwd(
         q, k, g, beta, A_log, dt_bias, opts, dqa.float(), dka.float(), dga.float(), dba.float()

@@ -1,11 +1,13 @@
 """The ``qla::`` custom ops: forward and backward of chunked Gated DeltaNet, with fake impls and autograd.
 
-``qla::chunk_gdr_fwd`` returns ``(o, final_state)``; the final state is always produced (fp32) and the
-public function drops it when it was not asked for.  ``qla::chunk_gdr_bwd`` takes what the forward took
-plus ``do``/``dht`` and returns every input gradient; gradients of absent optional inputs (``A_log``,
-``dt_bias``, ``initial_state``) come back as empty tensors, since an op cannot return ``None``.
-The forward saves only its inputs: the backward recomputes the gate cumsum, the inverse and the
-chunk states, the same boundary the Hopper backward kernels fill.
+``qla::chunk_gdr_fwd`` returns ``(o, final_state, tt, gb)``; the final state is always produced (fp32) and the
+public function drops it when it was not asked for.  ``tt, gb`` are the Hopper forward's gate-free inverse T~
+and per-chunk [gamma; beta], flat and not differentiable (``dispatch.aux_like``; empty on the reference path).
+``qla::chunk_gdr_bwd`` takes what the forward took plus ``do``/``dht`` (and optionally ``tt``/``gb``) and
+returns every input gradient; gradients of absent optional inputs (``A_log``, ``dt_bias``,
+``initial_state``) come back as empty tensors, since an op cannot return ``None``.
+The forward saves its inputs and ``tt, gb`` (together about half the size of a bf16 ``v``): the Hopper
+backward reuses T~ and [gamma; beta] and recomputes the chunk states; the reference backward recomputes all.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def chunk_gdr_fwd(
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None, cu_seqlens: Tensor | None,
     scale: float, use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
     state_v_first: bool,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     opts = GDROptions(scale, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, state_v_first)
     return dispatch.forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
 
@@ -37,7 +39,7 @@ def chunk_gdr_fwd(
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, use_qk_l2norm, use_gate,
       use_beta_sigmoid, allow_neg_eigval, state_v_first):
     ht = v.new_empty(_state_shape(v, k, cu_seqlens, state_v_first), dtype=torch.float32)
-    return torch.empty_like(v, memory_format=torch.contiguous_format), ht
+    return torch.empty_like(v, memory_format=torch.contiguous_format), ht, *dispatch.aux_like(q, k, v, cu_seqlens)
 
 
 @torch.library.custom_op("qla::chunk_gdr_bwd", mutates_args=())
@@ -46,16 +48,17 @@ def chunk_gdr_bwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None, cu_seqlens: Tensor | None,
     scale: float, use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
-    state_v_first: bool,
+    state_v_first: bool, tt: Tensor | None = None, gb: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = GDROptions(scale, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, state_v_first)
-    grads = dispatch.backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+    aux = None if tt is None else (tt, gb)
+    grads = dispatch.backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, aux)
     return tuple(q.new_empty(0) if x is None else x.contiguous() for x in grads)
 
 
 @chunk_gdr_bwd.register_fake
 def _(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, use_qk_l2norm, use_gate,
-      use_beta_sigmoid, allow_neg_eigval, state_v_first):
+      use_beta_sigmoid, allow_neg_eigval, state_v_first, tt=None, gb=None):
     def like(x):
         return q.new_empty(0) if x is None else torch.empty_like(x, memory_format=torch.contiguous_format)
 
@@ -67,15 +70,18 @@ _N_FLAGS = 6  # scale and the five booleans after cu_seqlens
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags = inputs
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    _, _, tt, gb = output
+    ctx.mark_non_differentiable(tt, gb)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for tt, gb (nor for an unused o or final state)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, tt, gb)
     ctx.flags = flags
 
 
-def _backward(ctx, do, dht):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+def _backward(ctx, do, dht, _dtt, _dgb):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, tt, gb = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
-    grads = chunk_gdr_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *ctx.flags)
+    grads = chunk_gdr_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *ctx.flags, tt, gb)
     present = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     tensor_grads = tuple(None if x is None else d for x, d in zip(present, grads))
     return tensor_grads + (None,) * (1 + _N_FLAGS)

@@ -2,8 +2,10 @@
 import pytest
 import torch
 from gdn_inputs import make_inputs, rel_err
+from torch._dynamo.testing import CompileCounterWithBackend
 
-from qla_compile import chunk_gated_delta_rule
+from qla_compile import chunk_gated_delta_rule, dispatch
+from qla_compile.reference import chunk_gdr_bwd_reference, chunk_gdr_fwd_reference
 
 OP_ARGS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens")
 
@@ -37,9 +39,9 @@ def test_opcheck_forward(case):
 def test_opcheck_backward(case):
     kw = make_inputs(**OPCHECK_CASES[case], seed=1)
     args = _op_args(kw)
-    o, ht = torch.ops.qla.chunk_gdr_fwd(*args)
+    o, ht, tt, gb = torch.ops.qla.chunk_gdr_fwd(*args)
     torch.library.opcheck(torch.ops.qla.chunk_gdr_bwd.default, (torch.randn_like(o), torch.randn_like(ht)) + args)
-    torch.library.opcheck(torch.ops.qla.chunk_gdr_bwd.default, (torch.randn_like(o), None) + args)
+    torch.library.opcheck(torch.ops.qla.chunk_gdr_bwd.default, (torch.randn_like(o), None) + args + (tt, gb))
 
 
 def _fresh(T, cu_seqlens=None, seed=0):
@@ -78,6 +80,40 @@ def test_compile_dynamic_varlen_one_graph():
         kw = _fresh(cu[-1], cu_seqlens=cu, seed=i)
         torch.testing.assert_close(fn(**kw)[0], chunk_gated_delta_rule(**kw)[0])
     assert len(recorder.graphs) == 1
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_compile_dynamic_hopper_aux(varlen, monkeypatch):
+    """The Hopper path's saved aux, simulated on the CPU (reference numbers, aux as the kernels shape it): one graph
+    for every length, also where n_slots = T // 64 + N is 1, and the backward gets the forward's tt, gb."""
+    seen = []
+
+    def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts):
+        tt, gb = dispatch.aux_like(q, k, v, cu_seqlens)
+        o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+        return o, ht, tt.fill_(1), gb.fill_(2)
+
+    def backward(*args):
+        *args, aux = args
+        seen.append(aux)
+        return chunk_gdr_bwd_reference(*args)
+
+    monkeypatch.setattr(dispatch, "select", lambda q, k, v: "hopper")
+    monkeypatch.setattr(dispatch, "forward", forward)
+    monkeypatch.setattr(dispatch, "backward", backward)
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(chunk_gated_delta_rule, backend=counter, fullgraph=True, dynamic=True)
+    cases = ([0, 10, 50], [0, 1, 64, 100, 101], [0, 33, 64, 70]) if varlen else ([0, 5], [0, 64], [0, 77], [0, 200])
+    for i, cu in enumerate(cases):
+        kw = _fresh(cu[-1], cu_seqlens=cu if varlen else None, seed=i)
+        leaves = [kw[n].requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+        o, ht = fn(**kw, output_final_state=True)
+        torch.autograd.grad(o.square().sum() + ht.sin().sum(), leaves)
+        tt, gb = seen[-1]
+        slots = (cu[-1] // 64 + len(cu) - 1) * 4  # H_v = 4
+        assert tt.shape == (slots * 64 * 64,) and tt.dtype == torch.float16 and tt.eq(1).all()
+        assert gb.shape == (slots * 2 * 64,) and gb.dtype == torch.float32 and gb.eq(2).all()
+    assert counter.frame_count == 1
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

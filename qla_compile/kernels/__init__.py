@@ -234,21 +234,20 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
         q, k = _l2norm(q), _l2norm(k)
     n_tok = B * T
     n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    n_slots = n_tok // gdr_fwd.CHUNK + n_seq
+    tt = torch.empty(n_slots, h_v, gdr_fwd.CHUNK, gdr_fwd.CHUNK, device=q.device, dtype=torch.float16)
+    gb = torch.empty(n_slots, h_v, 2, gdr_fwd.CHUNK, device=q.device, dtype=torch.float32)
     if n_tok == 0:
         ht = torch.zeros(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
         if initial_state is not None:
             ht.copy_(initial_state)
-        empty = torch.empty(0, device=q.device)
-        return v.new_empty(v.shape), ht, empty, empty, torch.zeros(n_seq + 1, device=q.device, dtype=torch.int32)
+        return v.new_empty(v.shape), ht, tt, gb, torch.zeros(n_seq + 1, device=q.device, dtype=torch.int32)
     q3 = q.reshape(n_tok, h_qk, dk).contiguous()
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
     g2 = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
     b2 = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
     cu, offsets = _tables(cu_seqlens, B, T, q.device)
-    n_slots = n_tok // gdr_fwd.CHUNK + n_seq
-    tt = torch.empty(n_slots, h_v, gdr_fwd.CHUNK, gdr_fwd.CHUNK, device=q.device, dtype=torch.float16)
-    gb = torch.empty(n_slots, h_v, 2, gdr_fwd.CHUNK, device=q.device, dtype=torch.float32)
     gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g2, b2, cu, offsets, tt, gb)
 
     cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device)

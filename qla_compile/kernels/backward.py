@@ -2,7 +2,8 @@
 
 Pipeline (one packed token stream, chunks numbered as in ``gdr_fwd``; notation in ``gdr_bwd``):
 
-1. ``gdr_fwd.kkt_inverse`` -- T~ and [gamma; beta] per chunk (the forward's kernel).
+1. ``gdr_fwd.kkt_inverse`` -- T~ and [gamma; beta] per chunk (the forward's kernel), or the forward's own
+   from ``chunk_gdr_fwd_hopper_aux`` when passed as ``aux``.
 2. :func:`_chunk_states` -- every chunk-start state S in fp16 by the fused forward in its
    ``store_h`` mode, context-parallel under the forward's rule.
 3. ``fused_bwd.chunk_dstates_ws`` -- the reverse recurrence of dS, storing each chunk's incoming dS'
@@ -72,19 +73,35 @@ def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, dht, has_h0, scale, dtyp
     return dh, dh0, sd
 
 
+def _check_aux(aux, q, v, cu_seqlens):
+    if not isinstance(aux, (tuple, list)) or len(aux) != 2:
+        raise TypeError(f"aux must be the pair (tt, gb) from chunk_gdr_fwd_hopper_aux, got {type(aux).__name__}")
+    n_slots = q.shape[0] * q.shape[1] // CHUNK + (q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1)
+    h_v = v.shape[2]
+    for name, t, shape, dtype in zip(("tt", "gb"), aux, ((n_slots, h_v, CHUNK, CHUNK), (n_slots, h_v, 2, CHUNK)),
+                                     (torch.float16, torch.float32)):
+        if t.shape != shape or t.dtype != dtype or t.device != q.device or not t.is_contiguous():
+            raise ValueError(f"aux {name} must be a contiguous {dtype} tensor of shape {shape} on {q.device}, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
 def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
-                         context_parallel=None):
+                         context_parallel=None, aux=None):
     """GDN chunked backward on SM90: ``(dq, dk, dv, dg, dbeta, dh0)``.
 
     Inputs as for ``chunk_gdr_fwd_hopper`` with the activations already applied: q, k ``[B,T,H_qk,K]``
     (L2-normalised if that option is on), v and do ``[B,T,H_v,V]`` (bf16/fp16, one dtype), g ``[B,T,H_v]``
     the activated log gate (<= 0), beta ``[B,T,H_v]`` activated; dht and initial_state fp32 ``[N,H_v,K,V]``
     or None; cu_seqlens ``[N+1]`` (B == 1) or None; ``context_parallel`` as for the forward (it splits
-    the state recompute and the reverse pass). dq, dk, dv come back in q's dtype, dg and dbeta in g's and
-    beta's dtypes, dh0 fp32 (None without an initial state). Tokens past ``cu_seqlens[-1]`` get zero gradients.
+    the state recompute and the reverse pass); ``aux``: ``(tt, gb)`` from ``chunk_gdr_fwd_hopper_aux`` on the
+    same q, k, g, beta and cu_seqlens, used instead of recomputing them. dq, dk, dv come back in q's dtype, dg
+    and dbeta in g's and beta's dtypes, dh0 fp32 (None without an initial state). Tokens past
+    ``cu_seqlens[-1]`` get zero gradients.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     _check_context_parallel(context_parallel)
+    if aux is not None:
+        _check_aux(aux, q, v, cu_seqlens)
     B, T_, h_qk, dk = q.shape
     h_v, dv = v.shape[2], v.shape[3]
     dtype = _DTYPES[q.dtype]
@@ -99,15 +116,18 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
     do3 = do.reshape(n_tok, h_v, dv).to(v.dtype).contiguous()
-    g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
     b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
     cu, offsets = _tables(cu_seqlens, B, T_, dev)
     n_seq = cu.numel() - 1
     n_slots = n_tok // CHUNK + n_seq
 
-    tt = torch.empty(n_slots, h_v, CHUNK, CHUNK, device=dev, dtype=torch.float16)
-    gb = torch.empty(n_slots, h_v, 2, CHUNK, device=dev, dtype=torch.float32)
-    gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g_tok, b_tok, cu, offsets, tt, gb)
+    if aux is None:
+        g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
+        tt = torch.empty(n_slots, h_v, CHUNK, CHUNK, device=dev, dtype=torch.float16)
+        gb = torch.empty(n_slots, h_v, 2, CHUNK, device=dev, dtype=torch.float32)
+        gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g_tok, b_tok, cu, offsets, tt, gb)
+    else:
+        tt, gb = aux
     cp = _cp_plan(context_parallel, cu_seqlens, B, T_, h_v, dev)
     h, pieces = _chunk_states(q3, k3, v3, b_tok, tt, gb, cu, offsets, initial_state, dtype, cp)
     has_h0 = initial_state is not None

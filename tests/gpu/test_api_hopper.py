@@ -64,3 +64,49 @@ def test_hopper_op_compiles_once_for_many_lengths():
         kw = make_inputs(B=1, T=T, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16, device="cuda", seed=i)
         torch.testing.assert_close(fn(**kw)[0], chunk_gated_delta_rule(**kw)[0], rtol=0, atol=0)
     assert len(graphs) == 1
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+def test_saved_aux_gives_bitwise_the_same_gradients(monkeypatch):
+    """Autograd reuses the forward's T~ and [gamma; beta] (kkt_inverse does not run in the backward) and gets
+    bitwise the gradients of the Hopper backward that recomputes them."""
+    from qla_compile.kernels import backward, gdr_fwd
+
+    kw = make_inputs(T=333, H=2, HV=4, K=128, V=128, cu_seqlens=[0, 70, 71, 250, 333], initial_state=True,
+                     dtype=torch.bfloat16, device="cuda", seed=5)
+    assert dispatch.select(kw["q"], kw["k"], kw["v"]) == "hopper"
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    leaves = _leaves(kw)
+    o, ht = chunk_gated_delta_rule(**leaves, output_final_state=True)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    monkeypatch.setattr(gdr_fwd, "kkt_inverse", lambda **_: pytest.fail("the backward recomputed T~"))
+    grads = torch.autograd.grad((o, ht), [leaves[n] for n in names], (do, dht))
+    monkeypatch.undo()
+    recomputed = backward.chunk_gdr_bwd_hopper(do, dht, *(kw[n] for n in names[:5]), 128**-0.5, kw["initial_state"],
+                                               kw["cu_seqlens"])
+    for name, a, b in zip(names, grads, recomputed):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+def test_compiled_training_saves_aux():
+    """Compiled training saves the aux with the fake's symbolic size (one graph for every length, also T < 64,
+    where n_slots is 1) and gets bitwise eager's gradients."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+    fn = torch.compile(chunk_gated_delta_rule, backend=counter, fullgraph=True, dynamic=True)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    for i, T in enumerate((40, 200, 333)):
+        kw = make_inputs(B=1, T=T, H=2, HV=4, K=128, V=128, initial_state=True, dtype=torch.bfloat16, device="cuda",
+                         seed=i)
+        do = torch.randn(1, T, 4, 128, device="cuda").to(torch.bfloat16)
+        dht = torch.randn(1, 4, 128, 128, device="cuda")
+        results = []
+        for f in (chunk_gated_delta_rule, fn):
+            leaves = _leaves(kw)
+            o, ht = f(**leaves, output_final_state=True)
+            results.append(torch.autograd.grad((o, ht), [leaves[n] for n in names], (do, dht)))
+        for name, a, b in zip(names, *results):
+            assert torch.equal(a, b), (T, name)
+    assert counter.frame_count == 1
