@@ -73,15 +73,13 @@ def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, dht, has_h0, scale, dtyp
     return dh, dh0, sd
 
 
-def _check_aux(aux, q, v, cu_seqlens):
+def _check_aux(aux, n_slots, h_v, device):
     if not isinstance(aux, (tuple, list)) or len(aux) != 2:
         raise TypeError(f"aux must be the pair (tt, gb) from chunk_gdr_fwd_hopper_aux, got {type(aux).__name__}")
-    n_slots = q.shape[0] * q.shape[1] // CHUNK + (q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1)
-    h_v = v.shape[2]
     for name, t, shape, dtype in zip(("tt", "gb"), aux, ((n_slots, h_v, CHUNK, CHUNK), (n_slots, h_v, 2, CHUNK)),
                                      (torch.float16, torch.float32)):
-        if t.shape != shape or t.dtype != dtype or t.device != q.device or not t.is_contiguous():
-            raise ValueError(f"aux {name} must be a contiguous {dtype} tensor of shape {shape} on {q.device}, "
+        if t.shape != shape or t.dtype != dtype or t.device != device or not t.is_contiguous():
+            raise ValueError(f"aux {name} must be a contiguous {dtype} tensor of shape {shape} on {device}, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
 
 
@@ -100,13 +98,14 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     _check_context_parallel(context_parallel)
-    if aux is not None:
-        _check_aux(aux, q, v, cu_seqlens)
     B, T_, h_qk, dk = q.shape
     h_v, dv = v.shape[2], v.shape[3]
     dtype = _DTYPES[q.dtype]
     n_tok = B * T_
+    n_slots = n_tok // CHUNK + (B if cu_seqlens is None else cu_seqlens.numel() - 1)
     dev = q.device
+    if aux is not None:
+        _check_aux(aux, n_slots, h_v, dev)
     if n_tok == 0:  # nothing to launch; dh0 is dht passed straight through
         dh0 = None
         if initial_state is not None:
@@ -118,8 +117,6 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     do3 = do.reshape(n_tok, h_v, dv).to(v.dtype).contiguous()
     b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
     cu, offsets = _tables(cu_seqlens, B, T_, dev)
-    n_seq = cu.numel() - 1
-    n_slots = n_tok // CHUNK + n_seq
 
     if aux is None:
         g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
