@@ -163,6 +163,14 @@ def _cp_plan(context_parallel, cu_seqlens, batch, seqlen, h_v, device):
     return None if tables is None else (len(lens), chunks, tables)
 
 
+def _state_arg(state, h_v, dk, dv, device):
+    """An optional state (initial state, final-state gradient) as the kernels take it: fp32 and
+    contiguous, or a one-slot placeholder they do not read when it is None."""
+    if state is None:
+        return torch.empty(1, h_v, dk, dv, device=device, dtype=torch.float32)
+    return state.to(torch.float32).contiguous()
+
+
 def _block_dv(n_ctas, dv):
     """The DV tile of the state kernels: all of V, or half of it when few CTAs would run."""
     return dv if n_ctas >= _FULL_DV_MIN_CTAS else dv // 2
@@ -255,8 +263,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
         o, ht = _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, *cp)
         return o.view(B, T, h_v, dv), ht, tt, gb, offsets
     has_h0 = initial_state is not None
-    h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty(
-        1, h_v, dk, dv, device=q.device, dtype=torch.float32)
+    h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
     kernel = fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=_block_dv(n_seq * h_v, dv))

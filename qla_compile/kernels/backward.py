@@ -15,8 +15,8 @@ Pipeline (one packed token stream, chunks numbered as in ``gdr_fwd``; notation i
 
 import torch
 
-from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _cp_plan, _piece_initial_states, _tables, cp_fwd,
-               fused_bwd, fused_fwd, gdr_bwd, gdr_fwd)
+from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _cp_plan, _piece_initial_states, _state_arg,
+               _tables, cp_fwd, fused_bwd, fused_fwd, gdr_bwd, gdr_fwd)
 
 CHUNK = gdr_fwd.CHUNK
 
@@ -35,8 +35,7 @@ def _chunk_states(q3, k3, v3, b2, tt, gb, cu, offsets, initial_state, dtype, cp)
         has_h0, pieces = True, (cu, offsets, seq_pieces, skip, m)
     else:
         has_h0 = initial_state is not None
-        h0 = initial_state.to(torch.float32).contiguous() if has_h0 else torch.empty(
-            1, h_v, dk, dv, device=q3.device, dtype=torch.float32)
+        h0 = _state_arg(initial_state, h_v, dk, dv, q3.device)
         bv = _block_dv((cu.numel() - 1) * h_v, dv)
     fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=bv, store_h=True)(
         q3, k3, v3, tt, gb, cu, offsets, h0, h)
@@ -51,7 +50,7 @@ def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, dht, has_h0, scale, dtyp
     n_slots, h_v, dk, dv = tt.shape[0], do3.shape[1], q3.shape[2], do3.shape[2]
     f32 = dict(device=q3.device, dtype=torch.float32)
     has_dht = dht is not None
-    dht = dht.to(torch.float32).contiguous() if has_dht else torch.empty(1, h_v, dk, dv, **f32)
+    dht = _state_arg(dht, h_v, dk, dv, q3.device)
     if pieces is not None:  # from here on the pieces stand for the sequences
         cu, offsets, seq_pieces, skip, m = pieces
     n_seq = cu.numel() - 1
