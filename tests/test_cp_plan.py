@@ -52,33 +52,21 @@ def test_pieces_partition_every_sequence(cp):
     assert offs[-1] == slot
 
 
-def test_warmup_skip_matches_a_loop(cp):
-    gen = torch.Generator().manual_seed(0)
-    n_slots, h_v, L = 40, 5, 8
-    gb = torch.zeros(n_slots, h_v, 2, 64)
-    sums = -torch.rand(n_slots, h_v, generator=gen) * 6  # chunk gate sums in [-6, 0]
-    sums[:, 0] = 0  # a head that never decays: always the exact transition
-    sums[33:] = float("nan")  # unused slots hold garbage: never read
-    gb[:, :, 0, 63] = sums
-    # two sequences cut every 8 chunks: pieces of 8, 8, 6 and of 8, 3 chunks
-    offs = torch.tensor([0, 8, 16, 22, 30, 33], dtype=torch.int32)
-    forward_last = torch.tensor([False, False, True, False, True])
-    for last in (forward_last, torch.zeros(5, dtype=torch.bool)):  # the backward forms every piece's M
-        for contractive in (True, False):
-            skip = cp.warmup_skip(gb, offs, last, L, torch.tensor(contractive))
-            for p in range(5):
-                n_chunks = int(offs[p + 1] - offs[p])
-                for h in range(h_v):
-                    if last[p]:
-                        expect = 1 << 30
-                    else:
-                        total, expect = 0.0, -1
-                        for n in range(1, n_chunks + 1):  # the last n chunks of the piece
-                            total += sums[offs[p] + n_chunks - n, h].item()
-                            if total < -10 and contractive:
-                                expect = n_chunks - n
-                                break
-                    assert skip[p, h].item() == expect, (p, h, contractive)
+def test_piece_tables(monkeypatch):
+    from qla_compile.kernels import _piece_tables, cp_fwd
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU-only torch has no CUDA
+    lens, L = [1000, 130, 0, 64 * 20 + 5, 512], 8
+    pieces = _piece_tables(lens, L, torch.device("cpu"))
+    cu, offs, seq_pieces, last = cp_fwd.pieces(lens, L)
+    assert pieces.cu.tolist() == cu and pieces.offsets.tolist() == offs and pieces.seq_pieces.tolist() == seq_pieces
+    chunks = [b - a for a, b in zip(offs, offs[1:])]
+    # a permutation, by decreasing chunk count, ties in piece order
+    assert pieces.order.tolist() == sorted(range(len(last)), key=lambda p: (-chunks[p], p))
+    assert pieces.seq_last.tolist() == [p - 1 for p in seq_pieces[1:]]
+    assert pieces.final_fwd.tolist() == [int(x) for x in last]
+    # the backward forms M for every piece but a sequence's only one
+    assert pieces.final_bwd.tolist() == [int(p in seq_pieces[:-1] and last[p]) for p in range(len(last))]
 
 
 @pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])

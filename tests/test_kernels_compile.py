@@ -23,6 +23,7 @@ VARIANTS = [
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="float16", has_h0=False, block_dv=64)),
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="bfloat16", has_h0=False, block_dv=64, transition=True)),
     ("scan", dict(dk=128, dv=128, has_h0=True)),
+    ("warmup_plan", dict(dtype="bfloat16")),
     ("seq_tables", dict(cu_dtype="int64")),
 ]
 
@@ -37,11 +38,11 @@ def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
     monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path))
     from qla_compile.kernels import cp_fwd, fused_fwd, gdr_fwd
 
-    module = {"chunk_fwd_ws": fused_fwd, "scan": cp_fwd}.get(name, gdr_fwd)
+    module = {"chunk_fwd_ws": fused_fwd, "scan": cp_fwd, "warmup_plan": cp_fwd}.get(name, gdr_fwd)
     kernel = getattr(module, name).__wrapped__(**params)  # uncached: a real build
     source = kernel.get_kernel_source()
     # the GEMMs went to Hopper's warpgroup MMA (the scan's small FP32 product: TF32 mma.sync)
-    if name != "seq_tables":
+    if name not in ("seq_tables", "warmup_plan"):
         assert ("mma_sync" if name == "scan" else "wgmma") in source
     if name == "chunk_fwd_ws":
         assert "tma_load" in source  # inputs stream through the bulk tensor copy engine

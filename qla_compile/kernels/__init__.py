@@ -11,7 +11,8 @@ The forward is two kernels: ``gdr_fwd.kkt_inverse`` (gate cumsum and the gate-fr
 chunks in parallel) and ``fused_fwd.chunk_fwd_ws`` (the warp-specialised chunk recurrence). When few
 long sequences would leave SMs idle, ``cp_fwd`` cuts them into pieces that run in parallel
 (gate-driven context parallelism: a warm-up or exact transition per piece, then a scan of the
-pieces' initial states).
+pieces' initial states). The recurrent kernels start the longest sequences (or pieces) first, so that
+unequal lengths do not leave a long walk to the end of the launch.
 One compile per (K, V, dtype, initial state or not, V split or not) serves every head count, length
 and batch layout:
 a dense ``[B, T]`` batch runs as one packed sequence with ``cu_seqlens = [0, T, 2T, ...]``.
@@ -29,6 +30,7 @@ torch ops before the kernels.
 """
 
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -65,16 +67,18 @@ def _l2norm(x):
 
 
 def _tables(cu_seqlens, batch, seqlen, device):
-    """int32 cu_seqlens and chunk_offsets (exclusive cumsum of ceil(len / 64)), built on the device."""
+    """int32 cu_seqlens, chunk_offsets (exclusive cumsum of ceil(len / 64)) and the recurrent kernels' launch
+    order (longest sequence first, ``gdr_fwd.seq_tables``), built on the device."""
     if cu_seqlens is None:
         steps = torch.arange(batch + 1, device=device, dtype=torch.int32)
-        return steps * seqlen, steps * ((seqlen + gdr_fwd.CHUNK - 1) // gdr_fwd.CHUNK)
+        return steps * seqlen, steps * ((seqlen + gdr_fwd.CHUNK - 1) // gdr_fwd.CHUNK), steps[:-1]
     cu_in = cu_seqlens.to(device)
     if cu_in.dtype not in (torch.int32, torch.int64):
         cu_in = cu_in.to(torch.int32)
-    cu, offsets = torch.empty(2, cu_in.numel(), device=device, dtype=torch.int32)
-    gdr_fwd.seq_tables(cu_dtype=str(cu_in.dtype).removeprefix("torch."))(cu_in.contiguous(), cu, offsets)
-    return cu, offsets
+    tables = torch.empty(3 * cu_in.numel() - 1, device=device, dtype=torch.int32)
+    cu, offsets, order = tables.split([cu_in.numel(), cu_in.numel(), cu_in.numel() - 1])
+    gdr_fwd.seq_tables(cu_dtype=str(cu_in.dtype).removeprefix("torch."))(cu_in.contiguous(), cu, offsets, order)
+    return cu, offsets, order
 
 
 def _check(q, k, v, g, beta, initial_state, cu_seqlens):
@@ -125,16 +129,35 @@ def _host_lengths(cu_seqlens, batch, seqlen):
     return lens
 
 
+class _Pieces(NamedTuple):
+    """Device int32 tables of a context-parallel plan (``cp_fwd.pieces``), views of one tensor."""
+
+    cu: torch.Tensor  # [P+1] token bounds of the pieces
+    offsets: torch.Tensor  # [P+1] first chunk slot of each piece
+    order: torch.Tensor  # [P] launch order of the recurrent kernels, longest piece first (as ``_tables``)
+    seq_pieces: torch.Tensor  # [N+1] first piece of each sequence
+    seq_last: torch.Tensor  # [N] last piece of each sequence
+    final_fwd: torch.Tensor  # [P] nonzero: the forward needs no transition of the piece (a sequence's last)
+    final_bwd: torch.Tensor  # [P] the same for the backward (a sequence's only piece)
+
+
 def _piece_tables(lens, chunks, device):
-    """``cp_fwd.pieces`` as one device int32 tensor (built once per plan: a captured call reuses it)."""
+    """The :class:`_Pieces` of cutting ``lens`` every ``chunks`` chunks, built once per plan (a captured call
+    reuses it; None when it is not built yet and the stream is capturing)."""
     key = (str(device), tuple(lens), chunks)
     if key not in _PIECE_TABLES:
         if torch.cuda.is_current_stream_capturing():
             return None
         cu, offs, seq_pieces, last = cp_fwd.pieces(lens, chunks)
+        order = sorted(range(len(last)), key=lambda p: offs[p] - offs[p + 1])  # stable: ties in piece order
+        seq_last = [p - 1 for p in seq_pieces[1:]]
+        firsts = set(seq_pieces[:-1])
+        only = [int(last[p] and p in firsts) for p in range(len(last))]
+        rows = [cu, offs, order, seq_pieces, seq_last, [int(x) for x in last], only]
+        flat = torch.tensor([x for row in rows for x in row], dtype=torch.int32).to(device)
         if len(_PIECE_TABLES) >= _CACHE_SIZE:
             _PIECE_TABLES.clear()
-        _PIECE_TABLES[key] = (len(last), torch.tensor(cu + offs + seq_pieces + last, dtype=torch.int32).to(device))
+        _PIECE_TABLES[key] = _Pieces(*flat.split([len(row) for row in rows]))
     return _PIECE_TABLES[key]
 
 
@@ -146,8 +169,7 @@ def _check_context_parallel(context_parallel):
 
 
 def _cp_plan(context_parallel, cu_seqlens, batch, seqlen, h_v, device):
-    """(number of sequences, piece length in chunks, ``_piece_tables``) when the forward runs
-    context-parallel, else None."""
+    """The :class:`_Pieces` of the context-parallel plan when the kernels run context-parallel, else None."""
     if context_parallel is False or (context_parallel is None and h_v > _CP_MAX_HEADS):
         return None
     lens = _host_lengths(cu_seqlens, batch, seqlen)
@@ -159,8 +181,7 @@ def _cp_plan(context_parallel, cu_seqlens, batch, seqlen, h_v, device):
         chunks = context_parallel
     if chunks is None or max(lens) <= chunks * gdr_fwd.CHUNK:
         return None
-    tables = _piece_tables(lens, chunks, device)
-    return None if tables is None else (len(lens), chunks, tables)
+    return _piece_tables(lens, chunks, device)
 
 
 def _state_arg(state, h_v, dk, dv, device):
@@ -176,47 +197,36 @@ def _block_dv(n_ctas, dv):
     return dv if n_ctas >= _FULL_DV_MIN_CTAS else dv // 2
 
 
-def _piece_initial_states(q3, k3, v3, b2, tt, gb, initial_state, dtype, n_seq, chunks, piece_tables,
-                          backward=False):
-    """Every piece's initial state from ``cp_fwd``: ``(cu, chunk_offsets, seq_pieces, h0p, block_dv, skip,
-    m)`` of the pieces, h0p fp32 ``[P, H_v, K, V]``; ``skip`` and the transitions ``m`` as the transition
-    kernel left them (M formed where ``skip < 0``). With ``backward`` M is also formed for the last piece
-    of a sequence with several (the backward's reverse scan needs M of every piece but the first)."""
+def _piece_initial_states(q3, k3, v3, tt, gb, initial_state, dtype, pieces, backward=False):
+    """Every piece's initial state from ``cp_fwd``, for the :class:`_Pieces` ``pieces``: ``(h0p, block_dv, skip,
+    m)``, h0p fp32 ``[P, H_v, K, V]``; ``skip`` and the transitions ``m`` as the transition kernel left them
+    (M formed where ``skip < 0``). With ``backward`` M is also formed for the last piece of a sequence with
+    several (the backward's reverse scan needs M of every piece but the first)."""
     h_v, dk, dv = v3.shape[1], k3.shape[2], v3.shape[2]
-    device = q3.device
-    n_p, tables = piece_tables
-    cu, offsets = tables[: n_p + 1], tables[n_p + 1 : 2 * n_p + 2]
-    seq_pieces = tables[2 * n_p + 2 : 2 * n_p + 3 + n_seq]
-    last = tables[-n_p:].bool()
-    if backward:
-        first = torch.zeros_like(last).index_fill_(0, seq_pieces[:-1].long(), True)  # no host copy: capturable
-        last = last & first
-    # dropping a piece's transition M needs every per-token map I - beta k k^T to be a contraction
-    k_sq = torch.linalg.vector_norm(k3, dim=-1, dtype=torch.float32).amax().square()
-    contractive = (b2.amin() >= 0) & (b2.amax() * k_sq <= 2)
-    skip = cp_fwd.warmup_skip(gb, offsets, last, chunks, contractive)
-
-    f32 = dict(device=device, dtype=torch.float32)
+    n_p = pieces.order.numel()
+    f32 = dict(device=q3.device, dtype=torch.float32)
+    skip = torch.empty(n_p, h_v, device=q3.device, dtype=torch.int32)
+    final = pieces.final_bwd if backward else pieces.final_fwd
+    cp_fwd.warmup_plan(dtype=dtype)(k3, gb, pieces.cu, pieces.offsets, final, skip)
     e, m = torch.empty(n_p, h_v, dk, dv, **f32), torch.empty(n_p, h_v, dk, dk, **f32)
     bv = _block_dv(n_p * h_v, dv)
     fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=False, block_dv=bv, transition=True)(
-        q3, k3, v3, tt, gb, cu, offsets, skip, e, m)
+        q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, skip, e, m)
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else e[:1]
     h0p = torch.empty(n_p, h_v, dk, dv, **f32)
-    cp_fwd.scan(dk=dk, dv=dv, has_h0=has_h0)(e, m, skip, seq_pieces, h0, h0p)
-    return cu, offsets, seq_pieces, h0p, bv, skip, m
+    cp_fwd.scan(dk=dk, dv=dv, has_h0=has_h0)(e, m, skip, pieces.seq_pieces, h0, h0p)
+    return h0p, bv, skip, m
 
 
-def _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, n_seq, chunks, piece_tables):
-    """The fused forward over pieces of ``chunks`` chunks, their initial states from ``cp_fwd``."""
-    cu, offsets, seq_pieces, h0p, bv, _, _ = _piece_initial_states(
-        q3, k3, v3, b2, tt, gb, initial_state, dtype, n_seq, chunks, piece_tables)
+def _forward_cp(q3, k3, v3, tt, gb, scale, initial_state, dtype, pieces):
+    """The fused forward over the :class:`_Pieces` ``pieces``, their initial states from ``cp_fwd``."""
+    h0p, bv, _, _ = _piece_initial_states(q3, k3, v3, tt, gb, initial_state, dtype, pieces)
     o = torch.empty_like(v3)
     ht = torch.empty_like(h0p)
     fused_fwd.chunk_fwd_ws(dk=k3.shape[2], dv=v3.shape[2], dtype=dtype, has_h0=True, block_dv=bv)(
-        q3, k3, v3, tt, gb, cu, offsets, h0p, float(scale), o, ht)
-    return o, ht.index_select(0, seq_pieces[1:].long() - 1)
+        q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, h0p, float(scale), o, ht)
+    return o, ht.index_select(0, pieces.seq_last)
 
 
 def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
@@ -255,19 +265,19 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
     g2 = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
     b2 = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
-    cu, offsets = _tables(cu_seqlens, B, T, q.device)
+    cu, offsets, order = _tables(cu_seqlens, B, T, q.device)
     gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g2, b2, cu, offsets, tt, gb)
 
     cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device)
     if cp is not None:
-        o, ht = _forward_cp(q3, k3, v3, b2, tt, gb, scale, initial_state, dtype, *cp)
+        o, ht = _forward_cp(q3, k3, v3, tt, gb, scale, initial_state, dtype, cp)
         return o.view(B, T, h_v, dv), ht, tt, gb, offsets
     has_h0 = initial_state is not None
     h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
     kernel = fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=_block_dv(n_seq * h_v, dv))
-    kernel(q3, k3, v3, tt, gb, cu, offsets, h0, float(scale), o, ht)
+    kernel(q3, k3, v3, tt, gb, cu, offsets, order, h0, float(scale), o, ht)
     return o.view(B, T, h_v, dv), ht, tt, gb, offsets
 
 

@@ -21,54 +21,55 @@ from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _cp_plan, _p
 CHUNK = gdr_fwd.CHUNK
 
 
-def _chunk_states(q3, k3, v3, b2, tt, gb, cu, offsets, initial_state, dtype, cp):
+def _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, cp):
     """Every chunk-start state of the forward recurrence, fp16 ``[n_slots, H_v, K, V]`` (slot numbering
-    of ``offsets``), by the fused forward in its ``store_h`` mode; context-parallel when ``cp`` (a
-    ``kernels._cp_plan``) is given. Returns ``(h, pieces)``: ``pieces`` is None or the context-parallel
-    tables the reverse pass reuses, ``(cu, chunk_offsets, seq_pieces, skip, m)`` of the pieces."""
+    of ``offsets``), by the fused forward in its ``store_h`` mode; context-parallel over the pieces ``cp``
+    (a ``kernels._Pieces``) when given. Returns ``(h, transitions)``: None or the pieces' ``(skip, m)``
+    that the reverse pass reuses."""
     n_slots, h_v, dk, dv = tt.shape[0], v3.shape[1], k3.shape[2], v3.shape[2]
     h = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=torch.float16)
-    pieces = None
+    transitions = None
     if cp is not None:
-        cu, offsets, seq_pieces, h0, bv, skip, m = _piece_initial_states(
-            q3, k3, v3, b2, tt, gb, initial_state, dtype, *cp, backward=True)
-        has_h0, pieces = True, (cu, offsets, seq_pieces, skip, m)
+        h0, bv, skip, m = _piece_initial_states(q3, k3, v3, tt, gb, initial_state, dtype, cp, backward=True)
+        cu, offsets, order = cp.cu, cp.offsets, cp.order
+        has_h0, transitions = True, (skip, m)
     else:
         has_h0 = initial_state is not None
         h0 = _state_arg(initial_state, h_v, dk, dv, q3.device)
         bv = _block_dv((cu.numel() - 1) * h_v, dv)
     fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=bv, store_h=True)(
-        q3, k3, v3, tt, gb, cu, offsets, h0, h)
-    return h, pieces
+        q3, k3, v3, tt, gb, cu, offsets, order, h0, h)
+    return h, transitions
 
 
-def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, dht, has_h0, scale, dtype, pieces):
-    """``fused_bwd.chunk_dstates_ws``: ``(dh, dh0, sd)``. With the context-parallel ``pieces`` of
-    ``_chunk_states``, every piece first passes back the state gradient of a zero one (the transition
-    mode), a reverse scan (``cp_fwd.scan``) chains them into the gradient entering each piece, and the
-    pieces then run in parallel."""
+def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, order, dht, has_h0, scale, dtype, cp, transitions):
+    """``fused_bwd.chunk_dstates_ws``: ``(dh, dh0, sd)``. Over the context-parallel pieces ``cp`` (with the
+    ``transitions`` of ``_chunk_states``), every piece first passes back the state gradient of a zero one
+    (the transition mode), a reverse scan (``cp_fwd.scan``) chains them into the gradient entering each
+    piece, and the pieces then run in parallel."""
     n_slots, h_v, dk, dv = tt.shape[0], do3.shape[1], q3.shape[2], do3.shape[2]
     f32 = dict(device=q3.device, dtype=torch.float32)
     has_dht = dht is not None
     dht = _state_arg(dht, h_v, dk, dv, q3.device)
-    if pieces is not None:  # from here on the pieces stand for the sequences
-        cu, offsets, seq_pieces, skip, m = pieces
+    if cp is not None:  # from here on the pieces stand for the sequences
+        cu, offsets, order = cp.cu, cp.offsets, cp.order
     n_seq = cu.numel() - 1
     block_dv = _block_dv(n_seq * h_v, dv)
-    if pieces is not None:
+    if cp is not None:
+        skip, m = transitions
         passed = torch.empty(n_seq, h_v, dk, dv, **f32)
         fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=True, has_dht=False, block_dv=block_dv,
-                                   transition=True)(q3, k3, do3, tt, gb, cu, offsets, float(scale), passed)
+                                   transition=True)(q3, k3, do3, tt, gb, cu, offsets, order, float(scale), passed)
         entering = torch.empty_like(passed)
-        cp_fwd.scan(dk=dk, dv=dv, has_h0=has_dht, reverse=True)(passed, m, skip, seq_pieces, dht, entering)
+        cp_fwd.scan(dk=dk, dv=dv, has_h0=has_dht, reverse=True)(passed, m, skip, cp.seq_pieces, dht, entering)
         dht, has_dht = entering, True
     dh = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=q3.dtype)
     dh0 = torch.empty(n_seq, h_v, dk, dv, **f32)
     sd = (torch.empty if block_dv < dv else torch.zeros)(n_slots, h_v, 2, dk, **f32)
     fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
-        q3, k3, do3, tt, gb, h, cu, offsets, dht, float(scale), dh, dh0, sd)
-    if pieces is not None and has_h0:  # each sequence's dh0 is its first piece's
-        dh0 = dh0.index_select(0, seq_pieces[:-1].long())
+        q3, k3, do3, tt, gb, h, cu, offsets, order, dht, float(scale), dh, dh0, sd)
+    if cp is not None and has_h0:  # each sequence's dh0 is its first piece's
+        dh0 = dh0.index_select(0, cp.seq_pieces[:-1])
     return dh, dh0, sd
 
 
@@ -114,20 +115,20 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
     do3 = do.reshape(n_tok, h_v, dv).to(v.dtype).contiguous()
-    b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
-    cu, offsets = _tables(cu_seqlens, B, T_, dev)
+    cu, offsets, order = _tables(cu_seqlens, B, T_, dev)
 
     if aux is None:
         g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
+        b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
         tt = torch.empty(n_slots, h_v, CHUNK, CHUNK, device=dev, dtype=torch.float16)
         gb = torch.empty(n_slots, h_v, 2, CHUNK, device=dev, dtype=torch.float32)
         gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g_tok, b_tok, cu, offsets, tt, gb)
     else:
         tt, gb = aux
     cp = _cp_plan(context_parallel, cu_seqlens, B, T_, h_v, dev)
-    h, pieces = _chunk_states(q3, k3, v3, b_tok, tt, gb, cu, offsets, initial_state, dtype, cp)
+    h, transitions = _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, cp)
     has_h0 = initial_state is not None
-    dh, dh0, sd = _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, dht, has_h0, scale, dtype, pieces)
+    dh, dh0, sd = _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, order, dht, has_h0, scale, dtype, cp, transitions)
 
     f32 = dict(device=dev, dtype=torch.float32)
 

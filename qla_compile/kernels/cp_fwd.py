@@ -4,7 +4,7 @@ With few (sequence, v-head) pairs the fused kernel runs few CTAs and each walks 
 so a single long sequence leaves most SMs idle. CP splits such sequences into pieces of ``L`` chunks
 and gets every piece's initial state without walking the sequence:
 
-1. **Warm-up plan** (:func:`warmup_skip`, on the device): the state recurrence is affine per piece,
+1. **Warm-up plan** (:func:`warmup_plan`, on the device): the state recurrence is affine per piece,
    ``S_end = M S_start + E``. For a head whose gate decays the state by more than e^-10 over the
    piece's last chunks, ``M`` (whose norm is at most that decay when ``beta >= 0`` and ``beta |k|^2 <= 2``)
    is dropped and ``E`` is computed from a zero state over those last chunks only. Other heads run the
@@ -75,24 +75,81 @@ def pieces(lens, chunk_len: int):
     return cu, offs, seq_pieces, last
 
 
-def warmup_skip(gb, chunk_offsets, last, chunk_len: int, contractive):
-    """Per (piece, v-head), the chunks the transition kernel skips (see ``chunk_fwd_ws``).
+@compiled
+def warmup_plan(*, dtype: str, dk: int = 128):
+    """Per (piece, v-head), the chunks the transition kernel skips (see ``chunk_fwd_ws``), in one launch.
 
-    ``gb``: the forward's ``[slots, H_v, 2, 64]`` gate table (row 0, column 63: the chunk's summed log
-    gate); ``chunk_offsets``: device int32 ``[P+1]``; ``last``: device bool ``[P]``; ``contractive``:
-    device bool scalar, whether every per-token map ``I - beta k k^T`` is a contraction (``beta >= 0``,
-    ``beta |k|^2 <= 2``), which the e^-10 bound needs; False forces M everywhere.
-    A piece is skipped up to its last chunks whose gate sum drops below -10; -1 if it never does.
+    Call as ``kernel(k, gb, cu, chunk_offsets, final, skip)``: ``k`` ``[T, H_qk, K]``, ``gb`` the forward's
+    ``[slots, H_v, 2, 64]`` gate table (row 0, column 63: a chunk's summed log gate; row 1: beta, 0 past a
+    sequence's end), ``cu`` and ``chunk_offsets`` the pieces' int32 ``[P+1]`` tables, ``final`` int32 ``[P]``
+    (nonzero: E and M of that piece are not needed, skip = ``_NO_CHUNKS``); writes int32 ``skip`` ``[P, H_v]``.
+
+    A piece skips its chunks before the last ones whose gate sum drops below -10, provided every per-token
+    map ``I - beta k k^T`` of the piece is a contraction (``beta >= 0``, ``beta |k|^2 <= 2``), which the
+    e^-10 bound on the dropped M needs; otherwise (or if the sum never drops that far) skip = -1: the
+    whole piece runs and M is formed. One CTA per (v-head, piece), two threads per token row.
     """
-    steps = torch.arange(chunk_len, device=gb.device)
-    slots = (chunk_offsets[:-1, None].long() + steps).clamp_max(gb.shape[0] - 1)
-    in_piece = steps < (chunk_offsets[1:] - chunk_offsets[:-1])[:, None]  # a last piece may be shorter
-    sums = torch.where(in_piece[:, :, None], gb[:, :, 0, CHUNK - 1][slots], 0.0)
-    decay = sums.flip(1).cumsum(1)  # [P, L, H_v]: gate sum of the piece's last n chunks (0 past its end)
-    below = decay < _WARMUP_LOG_DECAY
-    skip = chunk_len - 1 - below.int().argmax(1)
-    skip = torch.where(below.any(1) & contractive, skip, -1)
-    return torch.where(last[:, None], _NO_CHUNKS, skip).to(torch.int32).contiguous()
+    n_tok = T.dynamic("n_tok")
+    n_chunk = T.dynamic("n_chunk")
+    n_p1 = T.dynamic("n_p1")
+    h_qk = T.dynamic("h_qk")
+    h_v = T.dynamic("h_v")
+    C, acc, half_k = CHUNK, "float32", dk // 2
+    threads = 4 * C  # two chunks of rows per step
+
+    @T.prim_func
+    def kernel(
+        k: T.Tensor((n_tok, h_qk, dk), dtype),
+        gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+        cu: T.Tensor((n_p1,), "int32"),
+        chunk_offsets: T.Tensor((n_p1,), "int32"),
+        final: T.Tensor((n_p1 - 1,), "int32"),
+        skip: T.Tensor((n_p1 - 1, h_v), "int32"),
+    ):
+        with T.Kernel(h_v, n_p1 - 1, threads=threads) as (hv, p):
+            bad_s = T.alloc_shared((threads,), "int32")
+            k_l = T.alloc_local((half_k,), dtype)
+            tx = T.get_thread_binding()
+            hk = T.alloc_var("int32", init=hv // (h_v // h_qk))
+            c0 = chunk_offsets[p]
+            n_c = chunk_offsets[p + 1] - c0
+            bad = T.alloc_var("int32", init=0)
+            if final[p] == 0:
+                # thread tx: half tx % 2 of row tx // 2 of each pair of chunks
+                for step in T.serial(T.ceildiv(n_c, 2)):
+                    i = step * 2 * C + tx // 2  # row within the piece
+                    row = cu[p] + i
+                    ss = T.alloc_var(acc, init=T.float32(0))
+                    if (i < n_c * C) & (row < n_tok):
+                        for d8 in T.unroll(half_k // 8):
+                            for e in T.vectorized(8):
+                                k_l[d8 * 8 + e] = k[row, hk, (tx % 2) * half_k + d8 * 8 + e]
+                        for d in T.unroll(half_k):
+                            ss = ss + T.cast(k_l[d], acc) * T.cast(k_l[d], acc)
+                    ss = ss + T.shfl_xor(ss, 1)
+                    if i < n_c * C:  # rows past the sequence's end have beta = 0
+                        b = gb[c0 + i // C, hv, 1, i % C]
+                        if (b < 0) | (b * ss > 2):
+                            bad = 1
+            bad_s[tx] = bad
+            T.sync_threads()
+            if tx == 0:
+                if final[p] != 0:
+                    skip[p, hv] = _NO_CHUNKS
+                else:
+                    any_bad = T.alloc_var("int32", init=0)
+                    for t in T.serial(threads):
+                        any_bad = any_bad | bad_s[t]
+                    first = T.alloc_var("int32", init=-1)  # first chunk of the shortest tail decaying below -10
+                    decay = T.alloc_var(acc, init=T.float32(0))
+                    for r in T.serial(n_c):
+                        if first < 0:
+                            decay = decay + gb[c0 + n_c - 1 - r, hv, 0, C - 1]
+                            if decay < _WARMUP_LOG_DECAY:
+                                first = n_c - 1 - r
+                    skip[p, hv] = T.if_then_else(any_bad == 0, first, -1)
+
+    return kernel
 
 
 @compiled
@@ -158,4 +215,5 @@ def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV, reve
 def variants():
     """``(kernel name, params)`` of every scan variant (K = V = 128)."""
     return [("scan", dict(dk=128, dv=128, has_h0=has_h0, reverse=reverse))
-            for has_h0 in (True, False) for reverse in (False, True)]
+            for has_h0 in (True, False) for reverse in (False, True)] + [
+        ("warmup_plan", dict(dtype=dtype)) for dtype in ("bfloat16", "float16")]

@@ -35,13 +35,14 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                      transition: bool = False):
     """Stores each chunk's incoming dS' (input dtype) in ``dh``, dh0 (fp32) when asked, and ``sd``.
 
-    ``kernel(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, dht, scale, dh, dh0, sd)``;
+    ``kernel(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dht, scale, dh, dh0, sd)`` (``order`` as for
+    ``fused_fwd.chunk_fwd_ws``);
     ``sd[chunk, hv, bv, :]`` are the row sums over DV slice ``bv`` of dS' o S with the fp32 dS' (slot 1
     is not written when V is not split).
 
     With ``transition`` (context parallelism, see ``backward``) it only returns, per piece, the state
     gradient the piece passes back from a zero one: ``kernel(q, k, do, tt, gb, cu_seqlens,
-    chunk_offsets, scale, dh0)`` (``has_h0`` and ``has_dht`` are ignored).
+    chunk_offsets, order, scale, dh0)`` (``has_h0`` and ``has_dht`` are ignored).
     """
     if transition:
         has_h0, has_dht = True, False
@@ -56,8 +57,8 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
     assert dv // BV <= 2, "sd has two DV-slice slots"
 
     @T.macro
-    def body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, dht, scale, dh, dh0, sd):
-        with T.Kernel(n_seq1 - 1, h_v, dv // BV, threads=512) as (seq, hv, bv):
+    def body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dht, scale, dh, dh0, sd):
+        with T.Kernel(h_v, dv // BV, n_seq1 - 1, threads=512) as (hv, bv, rank):  # launch order as in the forward
             T.import_source(_PTX)
             # two-stage input ring, filled by TMA (dO's slot later holds dV', then dU0)
             q_s = T.alloc_shared((2, C, dk), dtype)
@@ -88,6 +89,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             w_free = T.alloc_barrier(128)
             du_ready = T.alloc_barrier(128)  # WG1 wrote dU0
 
+            seq = T.alloc_var("int32", init=order[rank])
             hk = hv // (h_v // h_qk)
             v0 = bv * BV
             bos = cu_seqlens[seq]
@@ -245,10 +247,11 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             gb: T.Tensor((n_chunk, h_v, 2, C), acc),
             cu_seqlens: T.Tensor((n_seq1,), "int32"),
             chunk_offsets: T.Tensor((n_seq1,), "int32"),
+            order: T.Tensor((n_seq1 - 1,), "int32"),
             scale: T.float32,
             dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
         ):
-            body(q, k, do, tt, gb, None, cu_seqlens, chunk_offsets, None, scale, None, dh0, None)
+            body(q, k, do, tt, gb, None, cu_seqlens, chunk_offsets, order, None, scale, None, dh0, None)
 
     else:
 
@@ -262,13 +265,14 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             h: T.Tensor((n_chunk, h_v, dk, dv), half),
             cu_seqlens: T.Tensor((n_seq1,), "int32"),
             chunk_offsets: T.Tensor((n_seq1,), "int32"),
+            order: T.Tensor((n_seq1 - 1,), "int32"),
             dht: T.Tensor((n_dht, h_v, dk, dv), acc),
             scale: T.float32,
             dh: T.Tensor((n_chunk, h_v, dk, dv), dtype),
             dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
             sd: T.Tensor((n_chunk, h_v, 2, dk), acc),
         ):
-            body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, dht, scale, dh, dh0, sd)
+            body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dht, scale, dh, dh0, sd)
 
     return kernel
 

@@ -68,18 +68,20 @@ def _gamma_times(gb_s, st, a, b, row_log2=0.0, col_log2=0.0):
 @compiled
 def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128, transition: bool = False,
                  store_h: bool = False):
-    """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, scale, o, ht)``.
+    """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, h0, scale, o,
+    ht)``, ``order`` the sequences in launch order (``kernels._tables``: longest first, so that the longest
+    walks start first).
 
     With ``transition`` (the context-parallel prologue, see ``cp_fwd``) it computes no output but, per
     (piece, v-head), the affine map of the piece's state recurrence, ``S_end = M S_start + E``:
-    ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, skip, ht, mt)`` writes E to ``ht`` and M to
+    ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, skip, ht, mt)`` writes E to ``ht`` and M to
     ``mt``. ``skip[piece, hv]`` >= 0 is a warm-up window: only the piece's chunks from ``skip`` on are
     run, from a zero state, and M is not formed (the caller has checked that the skipped chunks decay
     the state by less than e^-10); ``skip`` < 0 runs the whole piece and also forms M, as the DV slices
     past ``dv`` of an identity initial state with V = 0.
 
     With ``store_h`` (the backward's state recompute) it computes no output but stores every chunk's
-    start state in fp16: ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, h)`` with
+    start state in fp16: ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, h0, h)`` with
     ``h[chunk_offsets[n] + j, hv]`` the state before chunk j of sequence n (q is not read).
     """
     assert not (transition and store_h)
@@ -95,8 +97,9 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     has_out = not (transition or store_h)
 
     @T.macro
-    def body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, skip, scale, o, ht, mt, h):
-        with T.Kernel(n_seq1 - 1, h_v, n_slices, threads=512) as (seq, hv, bv):
+    def body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, h0, skip, scale, o, ht, mt, h):
+        # the sequence is the slowest grid dimension: CTAs start in ``order``, every head of a sequence together
+        with T.Kernel(h_v, n_slices, n_seq1 - 1, threads=512) as (hv, bv, rank):
             T.import_source(_PTX)
             # two-stage input ring, filled by TMA
             q_s = T.alloc_shared((2, C, dk), dtype) if has_out else None
@@ -123,6 +126,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                 h_ready = T.alloc_barrier(128)  # WG0 wrote hs_s
                 h_free = T.alloc_barrier(128)  # WG2's store has read hs_s
 
+            seq = T.alloc_var("int32", init=order[rank])
             hk = hv // (h_v // h_qk)
             v0 = bv * BV
             bos = cu_seqlens[seq]
@@ -300,11 +304,12 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             gb: T.Tensor((n_chunk, h_v, 2, C), acc),
             cu_seqlens: T.Tensor((n_seq1,), "int32"),
             chunk_offsets: T.Tensor((n_seq1,), "int32"),
+            order: T.Tensor((n_seq1 - 1,), "int32"),
             skip: T.Tensor((n_seq1 - 1, h_v), "int32"),
             ht: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
             mt: T.Tensor((n_seq1 - 1, h_v, dk, dk), acc),
         ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, None, skip, None, None, ht, mt, None)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, None, skip, None, None, ht, mt, None)
 
     elif store_h:
 
@@ -317,10 +322,11 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             gb: T.Tensor((n_chunk, h_v, 2, C), acc),
             cu_seqlens: T.Tensor((n_seq1,), "int32"),
             chunk_offsets: T.Tensor((n_seq1,), "int32"),
+            order: T.Tensor((n_seq1 - 1,), "int32"),
             h0: T.Tensor((n_h0, h_v, dk, dv), acc),
             h: T.Tensor((n_chunk, h_v, dk, dv), half),
         ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, None, None, None, None, None, h)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, h0, None, None, None, None, None, h)
 
     else:
 
@@ -333,12 +339,13 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             gb: T.Tensor((n_chunk, h_v, 2, C), acc),
             cu_seqlens: T.Tensor((n_seq1,), "int32"),
             chunk_offsets: T.Tensor((n_seq1,), "int32"),
+            order: T.Tensor((n_seq1 - 1,), "int32"),
             h0: T.Tensor((n_h0, h_v, dk, dv), acc),
             scale: T.float32,
             o: T.Tensor((n_tok, h_v, dv), dtype),
             ht: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
         ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, h0, None, scale, o, ht, None, None)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, h0, None, scale, o, ht, None, None)
 
     return kernel
 

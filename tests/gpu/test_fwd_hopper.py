@@ -171,6 +171,70 @@ def test_repeated_runs_bitwise_identical():
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+@pytest.mark.parametrize("n_seq", [9, 1500])
+def test_launch_order_longest_first(n_seq):
+    kernels = _kernels()
+    gen = torch.Generator().manual_seed(n_seq)
+    lens = torch.randint(0, 300, (n_seq,), generator=gen)
+    lens[::3] = lens[1]  # ties
+    lens[2] = 0
+    cu_in = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).cuda()
+    cu, offsets, order = kernels._tables(cu_in, 1, int(cu_in[-1]), cu_in.device)
+    chunks = [-(-n // 64) for n in lens.tolist()]
+    assert cu.tolist() == cu_in.tolist()
+    assert offsets.tolist() == [0] + torch.tensor(chunks).cumsum(0).tolist()
+    # longest first (ties in index order) up to 1024 sequences, the identity past that
+    expect = sorted(range(n_seq), key=lambda i: (-chunks[i], i)) if n_seq <= 1024 else list(range(n_seq))
+    assert order.tolist() == expect
+
+
+def test_warmup_plan_matches_a_loop():
+    kernels = _kernels()
+    from qla_compile.kernels import cp_fwd
+
+    gen = torch.Generator().manual_seed(0)
+    h_qk, h_v, n_slots = 2, 4, 40
+    # two sequences (22 and 11 chunks, both ending mid-chunk) cut every 8 chunks, then 20 padding rows
+    offs = [0, 8, 16, 22, 30, 33]
+    cu = [0, 512, 1024, 1024 + 6 * 64 - 10, 1910, 1910 + 3 * 64 - 30]
+    n_tok = cu[-1] + 20
+    k = torch.nn.functional.normalize(torch.randn(n_tok, h_qk, 128, generator=gen), dim=-1)
+    beta = torch.rand(n_tok, h_v, generator=gen)
+    k[600, 0] *= 3**0.5  # |k|^2 = 3: with beta 0.9 not a contraction (v-head 1), with beta 0.5 one (v-head 0)
+    beta[600, 0], beta[600, 1] = 0.5, 0.9
+    beta[1950, 2] = -0.1  # a negative beta in the last piece of sequence 2 (v-head 2)
+    sums = -torch.rand(n_slots, h_v, generator=gen) * 6  # chunk gate sums in [-6, 0]
+    sums[:, 3] = 0  # a head that never decays: always the exact transition
+    gb = torch.zeros(n_slots, h_v, 2, 64)
+    gb[:, :, 0, 63] = sums
+    gb[33:] = float("nan")  # unused slots hold garbage: never read
+    for p in range(5):
+        for i in range(cu[p + 1] - cu[p]):
+            gb[offs[p] + i // 64, :, 1, i % 64] = beta[cu[p] + i]
+    last, only = [0, 0, 1, 0, 1], [0, 0, 0, 0, 0]  # the forward's and the backward's final pieces
+    dev = dict(device="cuda", dtype=torch.int32)
+    for final in (last, only):
+        skip = torch.full((5, h_v), -7, **dev)
+        cp_fwd.warmup_plan(dtype="bfloat16")(k.cuda().bfloat16(), gb.cuda(), torch.tensor(cu, **dev),
+                                             torch.tensor(offs, **dev), torch.tensor(final, **dev), skip)
+        kb = k.bfloat16().float()
+        for p in range(5):
+            rows = slice(cu[p], cu[p + 1])
+            for h in range(h_v):
+                b = beta[rows, h]
+                contractive = bool((b >= 0).all() and (b * kb[rows, h // 2].square().sum(-1) <= 2).all())
+                expect, total = -1, 0.0
+                for c in reversed(range(offs[p], offs[p + 1])):  # the piece's last chunks
+                    total += sums[c, h].item()
+                    if total < -10:
+                        expect = c - offs[p] if contractive else -1
+                        break
+                if final[p]:
+                    expect = 1 << 30
+                assert skip[p, h].item() == expect, (final, p, h)
+    assert skip[1, 1] == -1 and skip[1, 0] >= 0 and skip[4, 2] == -1  # the non-contractions did count
+
+
 def test_supported_and_rejected_inputs():
     kernels = _kernels()
     q = torch.zeros(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16)
