@@ -21,7 +21,8 @@ def cp():
     ([32768], 64, False),  # 64 CTAs per sequence already
     ([8192] * 4, 16, False),  # Be * H = 64
     ([28672, 4096], 32, True),  # Be * H = 36.6, long
-    ([8192] * 4, 8, False),  # Be * H = 32, short
+    ([8192] * 4, 8, True),  # Be * H = 32, each sequence 4x the work per SM
+    ([2890, 5291, 11998, 12589], 32, False),  # Be * H = 83
     ([2048], 2, False),  # too short to pay for the extra launches
 ])
 def test_piece_chunks_rule(cp, lens, h_v, expect_cp):
@@ -30,7 +31,7 @@ def test_piece_chunks_rule(cp, lens, h_v, expect_cp):
     if chunks is not None:
         assert chunks >= 8 and chunks & (chunks - 1) == 0  # a power of two, at least 8 chunks
         n_c = [math.ceil(n / 64) for n in lens]
-        target = 3 * math.sqrt(h_v * sum(n_c) / 132)
+        target = 4.5 * math.sqrt(h_v * sum(n_c) / 132)
         assert max(8, target / math.sqrt(2)) <= chunks <= max(8, target * math.sqrt(2))
 
 

@@ -38,19 +38,20 @@ def piece_chunks(lens, h_v: int, n_sm: int):
     """Piece length in chunks when CP pays off for these sequence lengths, else None.
 
     With n_c chunks per sequence and Be = sum(n_c) / max(n_c) the effective number of sequences, CP is
-    on when Be * H_v <= 24 with a sequence of at least 64 chunks, or Be * H_v <= 40 with one of at least
-    256 (measured on an H200: below that the extra launches and the exact transitions of non-decaying
-    heads cost more than the split saves). The piece length is FlashQLA's, balancing the pieces' walk
-    against the warm-up and scan: L = 2^round(log2(3 sqrt(H_v sum(n_c) / SMs))), at least 8 chunks.
+    on when Be * H_v <= 24 with a sequence of at least 64 chunks, or Be * H_v <= 56 with one of at least
+    128; the piece length is L = 2^round(log2(4.5 sqrt(H_v sum(n_c) / SMs))), at least 8 chunks (the
+    shape of FlashQLA's rule, balancing the pieces' walk against the warm-up and scan). Fitted to forward
+    and backward times of FlashQLA's 32-row backward set on an H200 (``bench/NOTES-bwd.md``, session 6):
+    below these bounds the transitions of non-decaying heads cost more than the split saves.
     """
     n_c = [-(-n // CHUNK) for n in lens]
     total, longest = sum(n_c), max(n_c, default=0)
     if longest == 0:
         return None
     be_h = total / longest * h_v
-    if not ((be_h <= 24 and longest >= 64) or (be_h <= 40 and longest >= 256)):
+    if not ((be_h <= 24 and longest >= 64) or (be_h <= 56 and longest >= 128)):
         return None
-    return max(_MIN_PIECE_CHUNKS, 2 ** round(math.log2(3 * math.sqrt(h_v * total / n_sm))))
+    return max(_MIN_PIECE_CHUNKS, 2 ** round(math.log2(4.5 * math.sqrt(h_v * total / n_sm))))
 
 
 def pieces(lens, chunk_len: int):
