@@ -48,7 +48,26 @@ def test_hopper_path_matches_oracle(case):
     rgrads = torch.autograd.grad((ro * do.double()).sum() + (rht * dht.double()).sum(), [ref[n] for n in names])
     errors = {n: rel_err(a, b) for n, a, b in zip(names, grads, rgrads)}
     # Issue 5's bar. Known gap (H200, 2026-11-29): the bf16 backward's dg reached 1.29e-2 on the dense case.
-    assert all(e < 1e-2 for e in errors.values()), errors
+    bars = {n: 1e-2 * _sum_condition(ref, dict(zip(names, rgrads))["g"], n) for n in ("A_log", "dt_bias") if n in kw}
+    assert all(e < bars.get(n, 1e-2) for n, e in errors.items()), (errors, bars)
+
+
+def _sum_condition(ref, dg_raw, name):
+    """dA_log and ddt_bias are per-head sums over tokens of dg o d(gate)/d(param), so their relative error is
+    dg's times the sums' condition number ||sum |terms| || / ||sum terms|| (at least 1), from the oracle."""
+    from torch.func import jvp
+
+    from qla_compile.reference import gate_activation
+
+    a, A, dt = (ref[n].detach() for n in ("g", "A_log", "dt_bias"))
+    args = {"g": a, "A_log": A, "dt_bias": dt}
+
+    def d_gate(wrt):  # d gate[..., h] / d wrt, elementwise (every gate element depends on one entry of wrt)
+        return jvp(lambda x: gate_activation(**{**args, wrt: x}), (args[wrt],), (torch.ones_like(args[wrt]),))[1]
+
+    terms = dg_raw.detach() / d_gate("g") * d_gate(name)
+    dims = tuple(range(terms.dim() - 1))
+    return max(1.0, (terms.abs().sum(dims).norm() / terms.sum(dims).norm()).item())
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
