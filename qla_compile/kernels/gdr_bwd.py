@@ -118,14 +118,17 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
     chunk), ``tt.shape[0] >= n_tok // 64 + n_seq`` chunk slots (as ``backward`` allocates), and the grid one
     slot longer than that. One CTA loads the q, k tiles once, then loops over the group's v-heads
     hv = hk G + g; every other input tile is TMA-loaded per v-head against one mbarrier (phase g % 2; h too
-    in fp16; in bf16 its conversion copy runs while the TMA loads are in flight); rows of a partial chunk
-    past the sequence end are zeroed in shared memory. dv is staged over dV' and stored as one tile (by
-    rows when the chunk is partial).
+    in fp16; in bf16 h comes by cp.async into the free W'/dV' tiles and is converted after the wait); rows of
+    a partial chunk past the sequence end are zeroed in shared memory. Independent GEMMs are issued together
+    (``T.wgmma_gemm``) and waited for as late as their first reader. dv is staged over dV' and stored as
+    one tile (by rows when the chunk is partial).
 
     dq, dk sum over g = 0, 1, ..., G - 1 in that order in fp32 through ``acc`` (fp32 scratch
-    ``[n_chunk, h_qk, 2, 64, dk]``, one [dq; dk] tile pair per CTA: g = 0 stores, later v-heads load (under
-    the last GEMMs), add and store; the L2 keeps them), and the last v-head writes dq, dk in the input dtype.
-    With G == 1 the scratch is not touched (pass ``[1, h_qk, 2, 64, dk]``).
+    ``[n_chunk, h_qk, 2, 64, dk]``, one [dq; dk] tile pair per CTA; the L2 keeps them): g < G - 1 stores its
+    running sums, and the next v-head loads them by cp.async into its dead dS' and W'/dV' tiles as soon as
+    those are read, then adds them after its last GEMMs. The last v-head writes dq, dk in the input dtype.
+    Every such store is staged in shared memory and written by whole rows. With G == 1 the scratch is not
+    touched (pass ``[1, h_qk, 2, 64, dk]``).
 
     Every row of every output is written: the spare slots past the last chunk (at least
     ceil((n_tok - cu_seqlens[-1]) / 64) of them, counting the extra grid slot) zero the rows past
@@ -172,9 +175,8 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             do_s = T.alloc_shared((C, dv), dtype)
             s_s = T.alloc_shared((dk, dv), dtype)  # S (from the fp16 h)
             ds_s = T.alloc_shared((dk, dv), dtype)  # dS'
-            w_s = T.alloc_shared((C, dv), dtype)  # W'
+            wd_s = T.alloc_shared((2, C, dv), dtype)  # [0]: W';  [1]: dV', then dv (staged for the store)
             vn_s = T.alloc_shared((C, dv), dtype)
-            dvn_s = T.alloc_shared((C, dv), dtype)  # dV', then dv (staged for the store)
             tt_s = T.alloc_shared((C, C), dtype)  # T~ in the GEMM dtype (fp16 values read from tt)
             a_s = T.alloc_shared((C, C), dtype)  # A_g, then T~^T dT~, then dQK
             p_s = T.alloc_shared((C, C), dtype)  # P_g, then dT~, then beta o dL
@@ -192,10 +194,14 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             pb2_s = T.alloc_shared((2, C), acc)
             pb1_s = T.alloc_shared((4, C), acc)  # per-warp partial column sums: dbeta (dA)
             bar = T.alloc_barrier(threads)
+            # aliases (TileLang does not see them: every switch between views is synced by hand)
+            pq32 = T.view(ds_s, (C, dk), acc)  # running dq sum, once dS' is read
+            pk32 = T.view(wd_s, (C, dk), acc)  # running dk sum, once W' and dv are read
+            h16 = T.view(wd_s, (dk, dv), half) if dtype != half else None  # S as loaded, until W' is written
+            out_s = T.view(ds_s, (2, C, dk), dtype)  # dq, dk staged for the store
             b1_f = T.alloc_fragment((C, dv), acc)
             b2_f = T.alloc_fragment((C, dv), acc)
             dk_f = T.alloc_fragment((C, dk), acc)
-            pk_f = T.alloc_fragment((C, dk), acc)  # the running dk sum, loaded under the last GEMMs
             s1_f = T.alloc_fragment((C, C), acc)
             s2_f = T.alloc_fragment((C, C), acc)
             y_f = T.alloc_fragment((C, C), acc)  # Y in registers between reading and writing y_s
@@ -237,11 +243,15 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                         T.tma_copy(h[chunk, hv, :, :], s_s, barrier=bar)
                     T.barrier_arrive(bar)
                     if dtype != half:
-                        # fp16 -> bf16 while the TMA loads are in flight (through fp32 explicitly: TileLang then converts
-                        # pairs, __half22float2 + __float22bfloat162_rn, instead of one element at a time)
-                        for i, d in T.Parallel(dk, dv):
-                            s_s[i, d] = T.cast(T.cast(h[chunk, hv, i, d], acc), dtype)
+                        T.async_copy(h[chunk, hv, :, :], h16)
                     T.barrier_wait(bar, g % 2)
+                    if dtype != half:
+                        T.ptx_wait_group(0)
+                        T.sync_threads()
+                        # fp16 -> bf16 (through fp32 explicitly: TileLang then converts pairs, __half22float2 +
+                        # __float22bfloat162_rn, instead of one element at a time)
+                        for i, d in T.Parallel(dk, dv):
+                            s_s[i, d] = T.cast(T.cast(h16[i, d], acc), dtype)
                     if length < C:  # rows past the sequence's end are zero (gb has g = beta = 0 there)
                         # stores only (a loop that reads what it writes gets a __syncthreads per unrolled iteration)
                         if g == 0:
@@ -256,8 +266,10 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     for i in T.Parallel(C):
                         e_s[i] = _exp(gb_s[0, i])
                         r_s[i] = _exp(gb_s[0, C - 1] - gb_s[0, i])
-                    # P_g = scale Gamma o Q K^T and A_g = Gamma o T~ o beta_col (stmatrix stores)
-                    T.gemm(q_s, k_s, s1_f, transpose_B=True, clear_accum=True)
+                    # P_g = scale Gamma o Q K^T and A_g = Gamma o T~ o beta_col (stmatrix stores); U0 = K S under them
+                    T.wgmma_gemm(q_s, k_s, s1_f, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(k_s, s_s, b1_f, clear_accum=True)
+                    T.wait_wgmma(1)
                     for i, j in T.Parallel(C, C):
                         gm = _gamma(gb_s, i, j)
                         s2_f[i, j] = gm * T.cast(tt16[0, i, j], acc) * gb_s[1, j]
@@ -269,40 +281,44 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     else:
                         for i, j in T.Parallel(C, C):  # through fp32, as for h above
                             tt_s[i, j] = T.cast(T.cast(tt16[0, i, j], acc), dtype)
+                    T.wait_wgmma(0)
                     # W' = V - e o U0 (v_s keeps e o U0);  V' = A_g W'. No loop writes shared memory that it also
                     # reads (W' goes through b2_f, stmatrix): TileLang puts a __syncthreads in every unrolled iteration
                     # of such loops.
-                    T.gemm(k_s, s_s, b1_f, clear_accum=True)
                     for i, d in T.Parallel(C, dv):
                         b2_f[i, d] = T.cast(v_s[i, d], acc) - e_s[i] * b1_f[i, d]
-                    T.copy(b2_f, w_s)
+                    T.copy(b2_f, wd_s[0, :, :])
                     for i, d in T.Parallel(C, dv):
                         v_s[i, d] = T.cast(e_s[i] * b1_f[i, d], dtype)
-                    T.gemm(a_s, w_s, b1_f, clear_accum=True)
-                    T.copy(b1_f, vn_s)
+                    T.wgmma_gemm(a_s, wd_s[0, :, :], b1_f, clear_accum=True)
                     # dV' = r o K dS' + P_g^T dO;  dr = rowsum(r o V' o K dS')
-                    T.gemm(k_s, ds_s, b2_f, clear_accum=True)
+                    T.wgmma_gemm(k_s, ds_s, b2_f, clear_accum=True)
+                    T.wait_wgmma(1)
+                    T.copy(b1_f, vn_s)
+                    # dk starts with r o (V' dS'^T)
+                    T.wgmma_gemm(vn_s, ds_s, dk_f, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(1)
                     for i, d in T.Parallel(C, dv):
                         b2_f[i, d] = r_s[i] * b2_f[i, d]
                         b1_f[i, d] = b1_f[i, d] * b2_f[i, d]
                     _row_partials(b1_f, dv // 16, part, pr_s, tx)
-                    T.gemm(p_s, do_s, b2_f, transpose_A=True)
-                    T.copy(b2_f, dvn_s)
-                    # dk starts with r o (V' dS'^T)
-                    T.gemm(vn_s, ds_s, dk_f, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(p_s, do_s, b2_f, transpose_A=True)
+                    T.wait_wgmma(0)
+                    T.copy(b2_f, wd_s[1, :, :])
                     for i, d in T.Parallel(C, dk):
                         dk_f[i, d] = r_s[i] * dk_f[i, d]
                     # dv = dW' = A_g^T dV';  dA = dV' W'^T (both GEMMs read dV', then dv is staged over it)
-                    T.gemm(a_s, dvn_s, b1_f, transpose_A=True, clear_accum=True)
-                    T.gemm(dvn_s, w_s, s1_f, transpose_B=True, clear_accum=True)
-                    T.copy(b1_f, dvn_s)
+                    T.wgmma_gemm(a_s, wd_s[1, :, :], b1_f, transpose_A=True, clear_accum=True)
+                    T.wgmma_gemm(wd_s[1, :, :], wd_s[0, :, :], s1_f, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                    T.copy(b1_f, wd_s[1, :, :])
                     T.fence_proxy_async()
                     if length == C:
-                        T.copy(dvn_s, dv_out[start : start + C, hv, :])
+                        T.copy(wd_s[1, :, :], dv_out[start : start + C, hv, :])
                     else:
                         for i, d in T.Parallel(C, dv):
                             if i < length:
-                                dv_out[start + i, hv, d] = dvn_s[i, d]
+                                dv_out[start + i, hv, d] = wd_s[1, i, d]
                     # de -= rowsum(e o U0 o dW');  v_s <- dU0 = -e o dW'
                     for i, d in T.Parallel(C, dv):
                         b2_f[i, d] = T.cast(v_s[i, d], acc) * b1_f[i, d]
@@ -320,64 +336,78 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     for i, j in T.Parallel(C, C):
                         s2_f[i, j] = s2_f[i, j] * gb_s[1, j]
                     T.copy(s1_f, p_s)
-                    T.sync_threads()  # every thread has read the fp16 T~ (tt16 is y_s's memory)
+                    T.fence_proxy_async()
+                    T.sync_threads()  # every thread has read the fp16 T~ (tt16 is y_s's memory), dS', W' and dv
+                    if g > 0:  # the group's running sums (cp.async), landing under the rest of this v-head
+                        T.async_copy(acc_buf[chunk, hk, 0, :, :], pq32)
+                        T.async_copy(acc_buf[chunk, hk, 1, :, :], pk32)
                     _col_store(part, pb1_s, tx)
                     for i, j in T.Parallel(C, C):
                         y_s[i, _ysw(i, j)] = s2_f[i, j]
                     # dL = -(T~^T dT~ T~^T) strictly lower;  dbeta_i += rowsum(dL o K K^T);  p_s <- beta o dL
                     T.gemm(tt_s, p_s, s1_f, transpose_A=True, clear_accum=True)
                     T.copy(s1_f, a_s)
-                    T.gemm(a_s, tt_s, s1_f, transpose_B=True, clear_accum=True)
-                    T.gemm(k_s, k_s, s2_f, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(a_s, tt_s, s1_f, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(k_s, k_s, s2_f, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
                     for i, j in T.Parallel(C, C):
                         dl = T.if_then_else(j < i, -s1_f[i, j], T.float32(0))
                         s2_f[i, j] = dl * s2_f[i, j]
                         s1_f[i, j] = gb_s[1, i] * dl
                     T.copy(s1_f, p_s)
                     _row_partials(s2_f, C // 16, part, pb2_s, tx)
-                    T.gemm(p_s, k_s, dk_f)
-                    T.gemm(p_s, k_s, dk_f, transpose_A=True)
-                    # dP = dO V'^T;  dQK = scale Gamma o dP (a_s);  Y += dP o P_g (Q K^T recomputed)
-                    T.gemm(do_s, vn_s, s1_f, transpose_B=True, clear_accum=True)
-                    T.gemm(q_s, k_s, s2_f, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(p_s, k_s, dk_f)
+                    T.wgmma_gemm(p_s, k_s, dk_f, transpose_A=True)
+                    # dP = dO V'^T;  dQK = scale Gamma o dP (a_s);  Y += dP o P_g (Q K^T recomputed);  dO S^T under them
+                    T.wgmma_gemm(do_s, vn_s, s1_f, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(q_s, k_s, s2_f, transpose_B=True, clear_accum=True)
+                    T.wgmma_gemm(do_s, s_s, b1_f, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(1)
                     for i, j in T.Parallel(C, C):
                         s1_f[i, j] = scale * _gamma(gb_s, i, j) * s1_f[i, j]
                         y_f[i, j] = y_s[i, _ysw(i, j)] + s1_f[i, j] * s2_f[i, j]
                     for i, j in T.Parallel(C, C):
                         y_s[i, _ysw(i, j)] = y_f[i, j]
                     T.copy(s1_f, a_s)
+                    T.wait_wgmma(0)
                     # dq = scale e o (dO S^T) + dQK K;  de += rowsum(q o scale e o dO S^T)
-                    T.gemm(do_s, s_s, b1_f, transpose_B=True, clear_accum=True)
                     for i, d in T.Parallel(C, dk):
                         b1_f[i, d] = scale * e_s[i] * b1_f[i, d]
                         b2_f[i, d] = b1_f[i, d] * T.cast(q_s[i, d], acc)
                     _row_partials(b2_f, dk // 16, part, pq_s, tx)
-                    # the group's running dq, dk sums (b2_f is free now), in flight under the GEMMs below (chunk <
-                    # n_acc always holds where G > 1; the test spares a bounds check per element)
-                    if g > 0 and chunk < n_acc:
-                        for i, d in T.Parallel(C, dk):
-                            b2_f[i, d] = acc_buf[chunk, hk, 0, i, d]
-                            pk_f[i, d] = acc_buf[chunk, hk, 1, i, d]
-                    T.gemm(a_s, k_s, b1_f)
+                    T.wgmma_gemm(a_s, k_s, b1_f)
                     # dk += dU0 S^T + dQK^T Q
-                    T.gemm(v_s, s_s, dk_f, transpose_B=True)
-                    T.gemm(a_s, q_s, dk_f, transpose_A=True)
-                    # dq, dk summed over the group in the order g = 0, 1, ... in fp32; the running sums stay in this
-                    # CTA's scratch slot (all 64 rows, partial chunk or not; the end-of-loop sync orders the reload)
+                    T.wgmma_gemm(v_s, s_s, dk_f, transpose_B=True)
+                    T.wgmma_gemm(a_s, q_s, dk_f, transpose_A=True)
+                    T.wait_wgmma(0)
+                    # dq, dk summed over the group in the order g = 0, 1, ... in fp32: the running sums go through this
+                    # CTA's scratch slot (stored from registers, loaded by cp.async under this v-head's work)
                     if g > 0:
+                        T.ptx_wait_group(0)
+                        T.sync_threads()
                         for i, d in T.Parallel(C, dk):
-                            b1_f[i, d] = b2_f[i, d] + b1_f[i, d]
-                            dk_f[i, d] = pk_f[i, d] + dk_f[i, d]
+                            b1_f[i, d] = pq32[i, d] + b1_f[i, d]
+                            dk_f[i, d] = pk32[i, d] + dk_f[i, d]
+                        T.sync_threads()
+                    # stores staged in shared memory (16-byte accesses, whole rows)
                     if g < grp - 1:
-                        if chunk < n_acc:
-                            for i, d in T.Parallel(C, dk):
-                                acc_buf[chunk, hk, 0, i, d] = b1_f[i, d]
-                                acc_buf[chunk, hk, 1, i, d] = dk_f[i, d]
+                        T.copy(b1_f, pq32)
+                        T.copy(dk_f, pk32)
+                        T.sync_threads()
+                        T.copy(pq32, acc_buf[chunk, hk, 0, :, :], annotations={"disable_tma": True})
+                        T.copy(pk32, acc_buf[chunk, hk, 1, :, :], annotations={"disable_tma": True})
                     else:
-                        for i, d in T.Parallel(C, dk):
-                            if i < length:
-                                dq_out[start + i, hk, d] = T.cast(b1_f[i, d], dtype)
-                                dk_out[start + i, hk, d] = T.cast(dk_f[i, d], dtype)
+                        T.copy(b1_f, out_s[0, :, :])
+                        T.copy(dk_f, out_s[1, :, :])
+                        T.sync_threads()
+                        if length == C:
+                            T.copy(out_s[0, :, :], dq_out[start : start + C, hk, :], annotations={"disable_tma": True})
+                            T.copy(out_s[1, :, :], dk_out[start : start + C, hk, :], annotations={"disable_tma": True})
+                        else:
+                            for i, d in T.Parallel(C, dk):
+                                if i < length:
+                                    dq_out[start + i, hk, d] = out_s[0, i, d]
+                                    dk_out[start + i, hk, d] = out_s[1, i, d]
                     # dg_t = sum_s M_st, M_st = [s >= t] (de_s + left_st) + [s < t] dr_s + a (sd_s + sd_{s+C}) with
                     # left_st = sum_{j<t} Y_sj; the a <dS', S> term is folded into de_s and dr_s.
                     for i in T.Parallel(C):
