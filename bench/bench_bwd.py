@@ -49,9 +49,9 @@ def step_fn(impl, x, do, dht):
         from qla_compile.kernels import chunk_gdr_fwd_hopper_aux
         from qla_compile.kernels.backward import chunk_gdr_bwd_hopper
 
-        def step():  # as the autograd op: the backward reuses the forward's T~ and [gamma; beta]
-            _, _, tt, gb, _ = chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale, h0, cu)
-            return chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale, h0, cu, aux=(tt, gb))
+        def step():  # as the autograd op: the backward reuses the forward's T~, [gamma; beta] and CP cache
+            _, _, tt, gb, _, cp_cache = chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale, h0, cu)
+            return chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale, h0, cu, aux=(tt, gb, cp_cache))
 
         return step
     if impl == "fla":

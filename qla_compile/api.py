@@ -60,7 +60,7 @@ def chunk_gated_delta_rule(
         check_cu_seqlens_values(cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, q.shape[1])
     if scale is None:
         scale = k.shape[-1] ** -0.5
-    o, final_state, _, _ = ops.chunk_gdr_fwd(
+    o, final_state, *_ = ops.chunk_gdr_fwd(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, float(scale),
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
     )

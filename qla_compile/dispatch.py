@@ -61,21 +61,32 @@ def aux_like(q, k, v, cu_seqlens):
     return v.new_empty(rows * CHUNK, dtype=torch.float16), v.new_empty(rows * 2, dtype=torch.float32)
 
 
+def cp_cache_like(q, k, v):
+    """A fake tensor shaped like the forward's ``cp_cache`` (fp32, 1-D): its length depends on the sequence
+    lengths (a data-dependent size) where the Hopper forward may run context-parallel, else 0."""
+    n, kernels = 0, _kernels()
+    if select(q, k, v) == "hopper" and kernels is not None and v.shape[2] <= kernels._CP_MAX_HEADS:
+        n = torch.library.get_ctx().new_dynamic_size()
+    return v.new_empty(n, dtype=torch.float32)
+
+
 def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions):
-    """``(o, final_state, tt, gb)``; ``tt, gb`` as described by :func:`aux_like`."""
+    """``(o, final_state, tt, gb, cp_cache)``; ``tt, gb`` as described by :func:`aux_like`, ``cp_cache`` the
+    Hopper forward's context-parallel cache (``kernels.chunk_gdr_fwd_hopper_aux``; empty when it did not
+    split)."""
     if select(q, k, v) == "reference":
         o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
-        return o, ht, *aux_like(q, k, v, cu_seqlens)
+        return o, ht, *aux_like(q, k, v, cu_seqlens), q.new_empty(0, dtype=torch.float32)
     g, beta = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
-    o, ht, tt, gb, _ = _kernels().chunk_gdr_fwd_hopper_aux(
+    o, ht, tt, gb, _, cp_cache = _kernels().chunk_gdr_fwd_hopper_aux(
         q, k, v, g, beta, opts.scale, _state_to_kv(initial_state, opts), cu_seqlens, opts.use_qk_l2norm_in_kernel
     )
-    return o, (ht.mT.contiguous() if opts.state_v_first else ht), tt.view(-1), gb.view(-1)
+    return o, (ht.mT.contiguous() if opts.state_v_first else ht), tt.view(-1), gb.view(-1), cp_cache
 
 
 def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions, aux=None):
-    """Every input gradient; ``aux``: the forward's flat ``(tt, gb)``, used on the Hopper path (None there
-    recomputes them)."""
+    """Every input gradient; ``aux``: the forward's flat ``(tt, gb, cp_cache)``, used on the Hopper path (None
+    there recomputes them)."""
     if select(q, k, v) == "reference":
         return chunk_gdr_bwd_reference(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
     kernels = _kernels()
@@ -83,7 +94,7 @@ def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
 
     if aux is not None:
         h_v = v.shape[2]
-        aux = (aux[0].view(-1, h_v, CHUNK, CHUNK), aux[1].view(-1, h_v, 2, CHUNK))
+        aux = (aux[0].view(-1, h_v, CHUNK, CHUNK), aux[1].view(-1, h_v, 2, CHUNK), aux[2])
 
     qa, ka = (kernels._l2norm(q), kernels._l2norm(k)) if opts.use_qk_l2norm_in_kernel else (q, k)
     ga, ba = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)

@@ -1,13 +1,16 @@
 """The ``qla::`` custom ops: forward and backward of chunked Gated DeltaNet, with fake impls and autograd.
 
-``qla::chunk_gdr_fwd`` returns ``(o, final_state, tt, gb)``; the final state is always produced (fp32) and the
-public function drops it when it was not asked for.  ``tt, gb`` are the Hopper forward's gate-free inverse T~
-and per-chunk [gamma; beta], flat and not differentiable (``dispatch.aux_like``; empty on the reference path).
-``qla::chunk_gdr_bwd`` takes what the forward took plus ``do``/``dht`` (and optionally ``tt``/``gb``) and
-returns every input gradient; gradients of absent optional inputs (``A_log``, ``dt_bias``,
+``qla::chunk_gdr_fwd`` returns ``(o, final_state, tt, gb, cp_cache)``; the final state is always produced (fp32)
+and the public function drops it when it was not asked for.  ``tt, gb`` are the Hopper forward's gate-free
+inverse T~ and per-chunk [gamma; beta], flat and not differentiable (``dispatch.aux_like``; empty on the
+reference path); ``cp_cache`` holds the context-parallel pieces' initial states and transitions when the Hopper
+forward split its sequences (``dispatch.cp_cache_like``: a data-dependent length, 0 when it did not split).
+``qla::chunk_gdr_bwd`` takes what the forward took plus ``do``/``dht`` (and optionally ``tt``/``gb``/``cp_cache``)
+and returns every input gradient; gradients of absent optional inputs (``A_log``, ``dt_bias``,
 ``initial_state``) come back as empty tensors, since an op cannot return ``None``.
-The forward saves its inputs and ``tt, gb`` (together about half the size of a bf16 ``v``): the Hopper
-backward reuses T~ and [gamma; beta] and recomputes the chunk states; the reference backward recomputes all.
+The forward saves its inputs, ``tt, gb`` (together about half the size of a bf16 ``v``) and ``cp_cache`` (128 KB
+per piece and v-head): the Hopper backward reuses them and recomputes the chunk states; the reference backward
+recomputes all.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def chunk_gdr_fwd(
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None, cu_seqlens: Tensor | None,
     scale: float, use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
     state_v_first: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = GDROptions(scale, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, state_v_first)
     return dispatch.forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
 
@@ -39,7 +42,8 @@ def chunk_gdr_fwd(
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, use_qk_l2norm, use_gate,
       use_beta_sigmoid, allow_neg_eigval, state_v_first):
     ht = v.new_empty(_state_shape(v, k, cu_seqlens, state_v_first), dtype=torch.float32)
-    return torch.empty_like(v, memory_format=torch.contiguous_format), ht, *dispatch.aux_like(q, k, v, cu_seqlens)
+    o = torch.empty_like(v, memory_format=torch.contiguous_format)
+    return o, ht, *dispatch.aux_like(q, k, v, cu_seqlens), dispatch.cp_cache_like(q, k, v)
 
 
 @torch.library.custom_op("qla::chunk_gdr_bwd", mutates_args=())
@@ -48,17 +52,17 @@ def chunk_gdr_bwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None, cu_seqlens: Tensor | None,
     scale: float, use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
-    state_v_first: bool, tt: Tensor | None = None, gb: Tensor | None = None,
+    state_v_first: bool, tt: Tensor | None = None, gb: Tensor | None = None, cp_cache: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = GDROptions(scale, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, state_v_first)
-    aux = None if tt is None else (tt, gb)
+    aux = None if tt is None else (tt, gb, cp_cache)
     grads = dispatch.backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, aux)
     return tuple(q.new_empty(0) if x is None else x.contiguous() for x in grads)
 
 
 @chunk_gdr_bwd.register_fake
 def _(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, use_qk_l2norm, use_gate,
-      use_beta_sigmoid, allow_neg_eigval, state_v_first, tt=None, gb=None):
+      use_beta_sigmoid, allow_neg_eigval, state_v_first, tt=None, gb=None, cp_cache=None):
     def like(x):
         return q.new_empty(0) if x is None else torch.empty_like(x, memory_format=torch.contiguous_format)
 
@@ -70,18 +74,19 @@ _N_FLAGS = 6  # scale and the five booleans after cu_seqlens
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags = inputs
-    _, _, tt, gb = output
-    ctx.mark_non_differentiable(tt, gb)
-    ctx.set_materialize_grads(False)  # no zero-filled gradients for tt, gb (nor for an unused o or final state)
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, tt, gb)
+    _, _, tt, gb, cp_cache = output
+    ctx.mark_non_differentiable(tt, gb, cp_cache)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the aux (nor for an unused o or final state)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, tt, gb, cp_cache)
     ctx.flags = flags
 
 
-def _backward(ctx, do, dht, _dtt, _dgb):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, tt, gb = ctx.saved_tensors
+def _backward(ctx, do, dht, _dtt, _dgb, _dcp):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, tt, gb, cp_cache = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
-    grads = chunk_gdr_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *ctx.flags, tt, gb)
+    grads = chunk_gdr_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *ctx.flags, tt, gb,
+                          cp_cache)
     present = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     tensor_grads = tuple(None if x is None else d for x, d in zip(present, grads))
     return tensor_grads + (None,) * (1 + _N_FLAGS)

@@ -39,9 +39,9 @@ def test_opcheck_forward(case):
 def test_opcheck_backward(case):
     kw = make_inputs(**OPCHECK_CASES[case], seed=1)
     args = _op_args(kw)
-    o, ht, tt, gb = torch.ops.qla.chunk_gdr_fwd(*args)
+    o, ht, tt, gb, cp_cache = torch.ops.qla.chunk_gdr_fwd(*args)
     torch.library.opcheck(torch.ops.qla.chunk_gdr_bwd.default, (torch.randn_like(o), torch.randn_like(ht)) + args)
-    torch.library.opcheck(torch.ops.qla.chunk_gdr_bwd.default, (torch.randn_like(o), None) + args + (tt, gb))
+    torch.library.opcheck(torch.ops.qla.chunk_gdr_bwd.default, (torch.randn_like(o), None) + args + (tt, gb, cp_cache))
 
 
 def _fresh(T, cu_seqlens=None, seed=0):
@@ -85,13 +85,15 @@ def test_compile_dynamic_varlen_one_graph():
 @pytest.mark.parametrize("varlen", [False, True])
 def test_compile_dynamic_hopper_aux(varlen, monkeypatch):
     """The Hopper path's saved aux, simulated on the CPU (reference numbers, aux as the kernels shape it): one graph
-    for every length, also where n_slots = T // 64 + N is 1, and the backward gets the forward's tt, gb."""
+    for every length, also where n_slots = T // 64 + N is 1, and the backward gets the forward's tt, gb and its
+    context-parallel cache, whose length depends on the data (here on the last sequence's length)."""
     seen = []
 
     def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts):
         tt, gb = dispatch.aux_like(q, k, v, cu_seqlens)
         o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
-        return o, ht, tt.fill_(1), gb.fill_(2)
+        last = q.shape[1] if cu_seqlens is None else int(cu_seqlens[-1] - cu_seqlens[-2])
+        return o, ht, tt.fill_(1), gb.fill_(2), torch.full((3 * last,), 3.0)
 
     def backward(*args):
         *args, aux = args
@@ -109,10 +111,11 @@ def test_compile_dynamic_hopper_aux(varlen, monkeypatch):
         leaves = [kw[n].requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
         o, ht = fn(**kw, output_final_state=True)
         torch.autograd.grad(o.square().sum() + ht.sin().sum(), leaves)
-        tt, gb = seen[-1]
+        tt, gb, cp_cache = seen[-1]
         slots = (cu[-1] // 64 + len(cu) - 1) * 4  # H_v = 4
         assert tt.shape == (slots * 64 * 64,) and tt.dtype == torch.float16 and tt.eq(1).all()
         assert gb.shape == (slots * 2 * 64,) and gb.dtype == torch.float32 and gb.eq(2).all()
+        assert cp_cache.shape == (3 * (cu[-1] - cu[-2]),) and cp_cache.eq(3).all()
     assert counter.frame_count == 1
 
 

@@ -4,8 +4,9 @@ Entry points, called by ``qla_compile.ops`` on SM90 CUDA tensors:
 
 * :func:`hopper_supported` -- whether these kernels handle the given tensors.
 * :func:`chunk_gdr_fwd_hopper` -- ``(o, final_state)``.
-* :func:`chunk_gdr_fwd_hopper_aux` -- ``(o, final_state, tt, gb, chunk_offsets)``, also returning the
-  gate-free inverse T~ and the per-chunk gate cumsum for a backward pass.
+* :func:`chunk_gdr_fwd_hopper_aux` -- ``(o, final_state, tt, gb, chunk_offsets, cp_cache)``, also returning
+  the gate-free inverse T~, the per-chunk gate cumsum and the context-parallel plan's products for a
+  backward pass.
 
 The forward is two kernels: ``gdr_fwd.kkt_inverse`` (gate cumsum and the gate-free inverse T~, all
 chunks in parallel) and ``fused_fwd.chunk_fwd_ws`` (the warp-specialised chunk recurrence). When few
@@ -197,50 +198,65 @@ def _block_dv(n_ctas, dv):
     return dv if n_ctas >= _FULL_DV_MIN_CTAS else dv // 2
 
 
+def _cp_cache_views(cache, n_p, h_v, dk, dv):
+    """``(h0p, m, skip)`` of a context-parallel cache (one flat fp32 tensor): the pieces' initial states
+    fp32 ``[P, H_v, K, V]``, their transitions fp32 ``[P, H_v, K, K]`` and skip table int32 ``[P, H_v]``;
+    None when ``cache`` does not hold P pieces."""
+    a, b = n_p * h_v * dk * dv, n_p * h_v * dk * dk
+    if cache is None or cache.numel() != a + b + n_p * h_v:
+        return None
+    return (cache[:a].view(n_p, h_v, dk, dv), cache[a:a + b].view(n_p, h_v, dk, dk),
+            cache[a + b:].view(torch.int32).view(n_p, h_v))
+
+
 def _piece_initial_states(q3, k3, v3, tt, gb, initial_state, dtype, pieces, backward=False):
     """Every piece's initial state from ``cp_fwd``, for the :class:`_Pieces` ``pieces``: ``(h0p, block_dv, skip,
-    m)``, h0p fp32 ``[P, H_v, K, V]``; ``skip`` and the transitions ``m`` as the transition kernel left them
-    (M formed where ``skip < 0``). With ``backward`` M is also formed for the last piece of a sequence with
-    several (the backward's reverse scan needs M of every piece but the first)."""
+    m, cache)``, h0p fp32 ``[P, H_v, K, V]``; ``skip`` and the transitions ``m`` as the transition kernel left
+    them (M formed where ``skip < 0``); ``cache`` the flat tensor they are views of (:func:`_cp_cache_views`).
+    With ``backward`` M is also formed for the last piece of a sequence with several (the backward's reverse
+    scan needs M of every piece but the first)."""
     h_v, dk, dv = v3.shape[1], k3.shape[2], v3.shape[2]
     n_p = pieces.order.numel()
     f32 = dict(device=q3.device, dtype=torch.float32)
-    skip = torch.empty(n_p, h_v, device=q3.device, dtype=torch.int32)
+    cache = torch.empty(n_p * h_v * (dk * dv + dk * dk + 1), **f32)
+    h0p, m, skip = _cp_cache_views(cache, n_p, h_v, dk, dv)
     final = pieces.final_bwd if backward else pieces.final_fwd
     cp_fwd.warmup_plan(dtype=dtype)(k3, gb, pieces.cu, pieces.offsets, final, skip)
-    e, m = torch.empty(n_p, h_v, dk, dv, **f32), torch.empty(n_p, h_v, dk, dk, **f32)
+    e = torch.empty(n_p, h_v, dk, dv, **f32)
     bv = _block_dv(n_p * h_v, dv)
     fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=False, block_dv=bv, transition=True)(
         q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, skip, e, m)
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else e[:1]
-    h0p = torch.empty(n_p, h_v, dk, dv, **f32)
     cp_fwd.scan(dk=dk, dv=dv, has_h0=has_h0)(e, m, skip, pieces.seq_pieces, h0, h0p)
-    return h0p, bv, skip, m
+    return h0p, bv, skip, m, cache
 
 
-def _forward_cp(q3, k3, v3, tt, gb, scale, initial_state, dtype, pieces):
-    """The fused forward over the :class:`_Pieces` ``pieces``, their initial states from ``cp_fwd``."""
-    h0p, bv, _, _ = _piece_initial_states(q3, k3, v3, tt, gb, initial_state, dtype, pieces)
+def _forward_cp(q3, k3, v3, tt, gb, scale, initial_state, dtype, pieces, for_backward):
+    """The fused forward over the :class:`_Pieces` ``pieces``, their initial states from ``cp_fwd``:
+    ``(o, final_state, cache)`` (``cache`` as ``_piece_initial_states`` with ``backward=for_backward``)."""
+    h0p, bv, _, _, cache = _piece_initial_states(q3, k3, v3, tt, gb, initial_state, dtype, pieces, for_backward)
     o = torch.empty_like(v3)
     ht = torch.empty_like(h0p)
     fused_fwd.chunk_fwd_ws(dk=k3.shape[2], dv=v3.shape[2], dtype=dtype, has_h0=True, block_dv=bv)(
         q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, h0p, float(scale), o, ht)
-    return o, ht.index_select(0, pieces.seq_last)
+    return o, ht.index_select(0, pieces.seq_last), cache
 
 
 def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
-                             use_qk_l2norm: bool = False, context_parallel=None):
+                             use_qk_l2norm: bool = False, context_parallel=None, for_backward: bool = True):
     """The forward plus the aux a backward can reuse.
 
-    Returns ``(o, final_state, tt, gb, chunk_offsets)``. Chunk j of sequence n is slot
+    Returns ``(o, final_state, tt, gb, chunk_offsets, cp_cache)``. Chunk j of sequence n is slot
     ``chunk_offsets[n] + j`` (int32 ``[N+1]``) of ``n_slots = B*T // 64 + N`` slots (the unused tail slots
     hold garbage). ``tt``: T~ = (I + strictly_lower(diag(beta) K K^T))^-1, fp16 ``[n_slots, H_v, 64, 64]``;
     ``gb``: fp32 ``[n_slots, H_v, 2, 64]``, row 0 the in-chunk inclusive cumsum of g, row 1 beta; rows past
     a sequence's end have g = beta = 0 (so gamma repeats the last value and T~ has unit rows there).
     With ``use_qk_l2norm`` the kernels see the normalised q, k (done here with torch ops).
     ``context_parallel``: None chooses (``cp_fwd.piece_chunks``), False never splits, an int splits
-    every longer sequence into pieces of that many chunks.
+    every longer sequence into pieces of that many chunks. ``cp_cache``: when the forward ran context-parallel
+    and ``for_backward``, the pieces' initial states, transitions and skip table as one flat fp32 tensor
+    (``_cp_cache_views``; the transitions formed for a backward, so it skips that plan); else empty.
     Tokens after ``cu_seqlens[-1]`` are not written.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
@@ -255,11 +271,12 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     n_slots = n_tok // gdr_fwd.CHUNK + n_seq
     tt = torch.empty(n_slots, h_v, gdr_fwd.CHUNK, gdr_fwd.CHUNK, device=q.device, dtype=torch.float16)
     gb = torch.empty(n_slots, h_v, 2, gdr_fwd.CHUNK, device=q.device, dtype=torch.float32)
+    no_cache = torch.empty(0, device=q.device, dtype=torch.float32)
     if n_tok == 0:
         ht = torch.zeros(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
         if initial_state is not None:
             ht.copy_(initial_state)
-        return v.new_empty(v.shape), ht, tt, gb, torch.zeros(n_seq + 1, device=q.device, dtype=torch.int32)
+        return v.new_empty(v.shape), ht, tt, gb, torch.zeros(n_seq + 1, device=q.device, dtype=torch.int32), no_cache
     q3 = q.reshape(n_tok, h_qk, dk).contiguous()
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
@@ -270,15 +287,15 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
 
     cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device)
     if cp is not None:
-        o, ht = _forward_cp(q3, k3, v3, tt, gb, scale, initial_state, dtype, cp)
-        return o.view(B, T, h_v, dv), ht, tt, gb, offsets
+        o, ht, cache = _forward_cp(q3, k3, v3, tt, gb, scale, initial_state, dtype, cp, for_backward)
+        return o.view(B, T, h_v, dv), ht, tt, gb, offsets, (cache if for_backward else no_cache)
     has_h0 = initial_state is not None
     h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
     kernel = fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=_block_dv(n_seq * h_v, dv))
     kernel(q3, k3, v3, tt, gb, cu, offsets, order, h0, float(scale), o, ht)
-    return o.view(B, T, h_v, dv), ht, tt, gb, offsets
+    return o.view(B, T, h_v, dv), ht, tt, gb, offsets, no_cache
 
 
 def chunk_gdr_fwd_hopper(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
@@ -291,5 +308,5 @@ def chunk_gdr_fwd_hopper(q, k, v, g, beta, scale: float, initial_state=None, cu_
     Returns ``o`` ``[B, T, H_v, V]`` in v's dtype and the fp32 final state ``[N, H_v, K, V]``.
     """
     o, ht, *_ = chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm,
-                                         context_parallel)
+                                         context_parallel, for_backward=False)
     return o, ht

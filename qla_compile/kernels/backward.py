@@ -5,7 +5,8 @@ Pipeline (one packed token stream, chunks numbered as in ``gdr_fwd``; notation i
 1. ``gdr_fwd.kkt_inverse`` -- T~ and [gamma; beta] per chunk (the forward's kernel), or the forward's own
    from ``chunk_gdr_fwd_hopper_aux`` when passed as ``aux``.
 2. :func:`_chunk_states` -- every chunk-start state S in fp16 by the fused forward in its
-   ``store_h`` mode, context-parallel under the forward's rule.
+   ``store_h`` mode, context-parallel under the forward's rule (the pieces' initial states and transitions
+   from the forward's ``cp_cache`` when ``aux`` has it, else recomputed).
 3. ``fused_bwd.chunk_dstates_ws`` -- the reverse recurrence of dS, storing each chunk's incoming dS'
    (input dtype), dh0 and the row sums of dS' o S that dg's gamma_C term needs; context-parallel over
    the same pieces as step 2 (:func:`_chunk_dstates`).
@@ -15,22 +16,28 @@ Pipeline (one packed token stream, chunks numbered as in ``gdr_fwd``; notation i
 
 import torch
 
-from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _cp_plan, _piece_initial_states, _state_arg,
-               _tables, cp_fwd, fused_bwd, fused_fwd, gdr_bwd, gdr_fwd)
+from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _cp_cache_views, _cp_plan, _piece_initial_states,
+               _state_arg, _tables, cp_fwd, fused_bwd, fused_fwd, gdr_bwd, gdr_fwd)
 
 CHUNK = gdr_fwd.CHUNK
 
 
-def _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, cp):
+def _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, cp, cp_cache=None):
     """Every chunk-start state of the forward recurrence, fp16 ``[n_slots, H_v, K, V]`` (slot numbering
     of ``offsets``), by the fused forward in its ``store_h`` mode; context-parallel over the pieces ``cp``
-    (a ``kernels._Pieces``) when given. Returns ``(h, transitions)``: None or the pieces' ``(skip, m)``
-    that the reverse pass reuses."""
+    (a ``kernels._Pieces``) when given, their initial states and transitions taken from the forward's
+    ``cp_cache`` when it holds them. Returns ``(h, transitions)``: None or the pieces' ``(skip, m)`` that the
+    reverse pass reuses."""
     n_slots, h_v, dk, dv = tt.shape[0], v3.shape[1], k3.shape[2], v3.shape[2]
     h = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=torch.float16)
     transitions = None
     if cp is not None:
-        h0, bv, skip, m = _piece_initial_states(q3, k3, v3, tt, gb, initial_state, dtype, cp, backward=True)
+        n_p = cp.order.numel()
+        cached = _cp_cache_views(cp_cache, n_p, h_v, dk, dv)
+        if cached is None:
+            h0, bv, skip, m, _ = _piece_initial_states(q3, k3, v3, tt, gb, initial_state, dtype, cp, backward=True)
+        else:
+            (h0, m, skip), bv = cached, _block_dv(n_p * h_v, dv)
         cu, offsets, order = cp.cu, cp.offsets, cp.order
         has_h0, transitions = True, (skip, m)
     else:
@@ -74,13 +81,19 @@ def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, order, dht, has_h0, scal
 
 
 def _check_aux(aux, n_slots, h_v, device):
-    if not isinstance(aux, (tuple, list)) or len(aux) != 2:
-        raise TypeError(f"aux must be the pair (tt, gb) from chunk_gdr_fwd_hopper_aux, got {type(aux).__name__}")
+    if not isinstance(aux, (tuple, list)) or len(aux) not in (2, 3):
+        raise TypeError(f"aux must be (tt, gb) or (tt, gb, cp_cache) from chunk_gdr_fwd_hopper_aux, got "
+                        f"{type(aux).__name__}")
     for name, t, shape, dtype in zip(("tt", "gb"), aux, ((n_slots, h_v, CHUNK, CHUNK), (n_slots, h_v, 2, CHUNK)),
                                      (torch.float16, torch.float32)):
         if t.shape != shape or t.dtype != dtype or t.device != device or not t.is_contiguous():
             raise ValueError(f"aux {name} must be a contiguous {dtype} tensor of shape {shape} on {device}, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if len(aux) == 3 and aux[2] is not None:
+        c = aux[2]
+        if c.dim() != 1 or c.dtype != torch.float32 or c.device != device or not c.is_contiguous():
+            raise ValueError(f"aux cp_cache must be a contiguous 1-D float32 tensor on {device}, got {c.dtype} "
+                             f"{tuple(c.shape)} on {c.device}")
 
 
 def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
@@ -92,7 +105,9 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     the activated log gate (<= 0), beta ``[B,T,H_v]`` activated; dht and initial_state fp32 ``[N,H_v,K,V]``
     or None; cu_seqlens ``[N+1]`` (B == 1) or None; ``context_parallel`` as for the forward (it splits
     the state recompute and the reverse pass); ``aux``: ``(tt, gb)`` from ``chunk_gdr_fwd_hopper_aux`` on the
-    same q, k, g, beta and cu_seqlens, used instead of recomputing them. dq, dk, dv come back in q's dtype, dg
+    same q, k, g, beta and cu_seqlens, used instead of recomputing them, or ``(tt, gb, cp_cache)`` with its
+    context-parallel cache too (from a forward with the same ``context_parallel``; used when this call's plan
+    has as many pieces, an empty one is ignored). dq, dk, dv come back in q's dtype, dg
     and dbeta in g's and beta's dtypes, dh0 fp32 (None without an initial state). Tokens past
     ``cu_seqlens[-1]`` get zero gradients.
     """
@@ -117,6 +132,7 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     do3 = do.reshape(n_tok, h_v, dv).to(v.dtype).contiguous()
     cu, offsets, order = _tables(cu_seqlens, B, T_, dev)
 
+    cp_cache = aux[2] if aux is not None and len(aux) == 3 else None
     if aux is None:
         g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
         b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
@@ -124,9 +140,9 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
         gb = torch.empty(n_slots, h_v, 2, CHUNK, device=dev, dtype=torch.float32)
         gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g_tok, b_tok, cu, offsets, tt, gb)
     else:
-        tt, gb = aux
+        tt, gb = aux[:2]
     cp = _cp_plan(context_parallel, cu_seqlens, B, T_, h_v, dev)
-    h, transitions = _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, cp)
+    h, transitions = _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, cp, cp_cache)
     has_h0 = initial_state is not None
     dh, dh0, sd = _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, order, dht, has_h0, scale, dtype, cp, transitions)
 

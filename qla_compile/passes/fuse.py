@@ -30,7 +30,7 @@ def fused_gdn(q, k, v, g, beta, initial_state, *, head_major, state_v_first, l2n
     q, k, v, g, beta = (x.transpose(1, 2) if m else x for x, m in zip((q, k, v, g, beta), head_major))
     if initial_state is not None:
         initial_state = initial_state.to(torch.float32)
-    o, state, _, _ = ops.chunk_gdr_fwd(q, k, v, g, beta, None, None, initial_state, None, scale, l2norm, False,
+    o, state, *_ = ops.chunk_gdr_fwd(q, k, v, g, beta, None, None, initial_state, None, scale, l2norm, False,
                                        False, False, state_v_first)
     o = o.to(output_dtype)
     return (o.transpose(1, 2) if output_head_major else o), state

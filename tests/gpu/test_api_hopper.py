@@ -108,15 +108,38 @@ def test_saved_aux_gives_bitwise_the_same_gradients(monkeypatch):
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+def test_saved_cp_cache_gives_bitwise_the_same_gradients(monkeypatch):
+    """When the forward runs context-parallel, autograd saves the pieces' initial states and transitions and the
+    backward does not recompute them (no warm-up plan, transitions or scan before its state recompute), with
+    bitwise the gradients of the backward that does."""
+    from qla_compile.kernels import backward
+
+    kw = make_inputs(T=9000, H=1, HV=2, K=128, V=128, cu_seqlens=[0, 8300, 9000], initial_state=True,
+                     dtype=torch.bfloat16, device="cuda", seed=7)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    leaves = _leaves(kw)
+    o, ht = chunk_gated_delta_rule(**leaves, output_final_state=True)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    monkeypatch.setattr(backward, "_piece_initial_states", lambda *a, **k: pytest.fail("the backward recomputed"))
+    grads = torch.autograd.grad((o, ht), [leaves[n] for n in names], (do, dht))
+    monkeypatch.undo()
+    recomputed = backward.chunk_gdr_bwd_hopper(do, dht, *(kw[n] for n in names[:5]), 128**-0.5, kw["initial_state"],
+                                               kw["cu_seqlens"])
+    for name, a, b in zip(names, grads, recomputed):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
 def test_compiled_training_saves_aux():
     """Compiled training saves the aux with the fake's symbolic size (one graph for every length, also T < 64,
-    where n_slots is 1) and gets bitwise eager's gradients."""
+    where n_slots is 1, and T = 8192, where the forward runs context-parallel and its cache has a data-dependent
+    size) and gets bitwise eager's gradients."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend("inductor")
     fn = torch.compile(chunk_gated_delta_rule, backend=counter, fullgraph=True, dynamic=True)
     names = ("q", "k", "v", "g", "beta", "initial_state")
-    for i, T in enumerate((40, 200, 333)):
+    for i, T in enumerate((40, 200, 333, 8192)):
         kw = make_inputs(B=1, T=T, H=2, HV=4, K=128, V=128, initial_state=True, dtype=torch.bfloat16, device="cuda",
                          seed=i)
         do = torch.randn(1, T, 4, 128, device="cuda").to(torch.bfloat16)
