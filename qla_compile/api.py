@@ -60,9 +60,13 @@ def chunk_gated_delta_rule(
         check_cu_seqlens_values(cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu, q.shape[1])
     if scale is None:
         scale = k.shape[-1] ** -0.5
+    # a forward that a backward will follow keeps what its backward can reuse (and plans for the pair)
+    for_backward = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias, initial_state))
     o, final_state, *_ = ops.chunk_gdr_fwd(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, float(scale),
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+        for_backward,
     )
     return o, (final_state if output_final_state else None)
 

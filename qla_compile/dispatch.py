@@ -61,25 +61,26 @@ def aux_like(q, k, v, cu_seqlens):
     return v.new_empty(rows * CHUNK, dtype=torch.float16), v.new_empty(rows * 2, dtype=torch.float32)
 
 
-def cp_cache_like(q, k, v):
+def cp_cache_like(q, k, v, for_backward: bool):
     """A fake tensor shaped like the forward's ``cp_cache`` (fp32, 1-D): its length depends on the sequence
-    lengths (a data-dependent size) where the Hopper forward may run context-parallel, else 0."""
+    lengths (a data-dependent size) where the Hopper forward may run context-parallel for a backward, else 0."""
     n, kernels = 0, _kernels()
-    if select(q, k, v) == "hopper" and kernels is not None and v.shape[2] <= kernels._CP_MAX_HEADS:
+    if for_backward and select(q, k, v) == "hopper" and kernels is not None and v.shape[2] <= kernels._CP_MAX_HEADS:
         n = torch.library.get_ctx().new_dynamic_size()
     return v.new_empty(n, dtype=torch.float32)
 
 
-def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions):
+def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions, for_backward=True):
     """``(o, final_state, tt, gb, cp_cache)``; ``tt, gb`` as described by :func:`aux_like`, ``cp_cache`` the
     Hopper forward's context-parallel cache (``kernels.chunk_gdr_fwd_hopper_aux``; empty when it did not
-    split)."""
+    split or ``for_backward`` is false, which also picks the forward-only splitting rule)."""
     if select(q, k, v) == "reference":
         o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
         return o, ht, *aux_like(q, k, v, cu_seqlens), q.new_empty(0, dtype=torch.float32)
     g, beta = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
     o, ht, tt, gb, _, cp_cache = _kernels().chunk_gdr_fwd_hopper_aux(
-        q, k, v, g, beta, opts.scale, _state_to_kv(initial_state, opts), cu_seqlens, opts.use_qk_l2norm_in_kernel
+        q, k, v, g, beta, opts.scale, _state_to_kv(initial_state, opts), cu_seqlens, opts.use_qk_l2norm_in_kernel,
+        for_backward=for_backward,
     )
     return o, (ht.mT.contiguous() if opts.state_v_first else ht), tt.view(-1), gb.view(-1), cp_cache
 

@@ -32,18 +32,18 @@ def chunk_gdr_fwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None, cu_seqlens: Tensor | None,
     scale: float, use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
-    state_v_first: bool,
+    state_v_first: bool, for_backward: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = GDROptions(scale, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, state_v_first)
-    return dispatch.forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+    return dispatch.forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, for_backward)
 
 
 @chunk_gdr_fwd.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, use_qk_l2norm, use_gate,
-      use_beta_sigmoid, allow_neg_eigval, state_v_first):
+      use_beta_sigmoid, allow_neg_eigval, state_v_first, for_backward=True):
     ht = v.new_empty(_state_shape(v, k, cu_seqlens, state_v_first), dtype=torch.float32)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
-    return o, ht, *dispatch.aux_like(q, k, v, cu_seqlens), dispatch.cp_cache_like(q, k, v)
+    return o, ht, *dispatch.aux_like(q, k, v, cu_seqlens), dispatch.cp_cache_like(q, k, v, for_backward)
 
 
 @torch.library.custom_op("qla::chunk_gdr_bwd", mutates_args=())
@@ -73,12 +73,12 @@ _N_FLAGS = 6  # scale and the five booleans after cu_seqlens
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags = inputs
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags = inputs  # then for_backward
     _, _, tt, gb, cp_cache = output
     ctx.mark_non_differentiable(tt, gb, cp_cache)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the aux (nor for an unused o or final state)
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, tt, gb, cp_cache)
-    ctx.flags = flags
+    ctx.flags = flags[:_N_FLAGS]
 
 
 def _backward(ctx, do, dht, _dtt, _dgb, _dcp):
@@ -89,7 +89,7 @@ def _backward(ctx, do, dht, _dtt, _dgb, _dcp):
                           cp_cache)
     present = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     tensor_grads = tuple(None if x is None else d for x, d in zip(present, grads))
-    return tensor_grads + (None,) * (1 + _N_FLAGS)
+    return tensor_grads + (None,) * (2 + _N_FLAGS)  # cu_seqlens, the flags, for_backward
 
 
 chunk_gdr_fwd.register_autograd(_backward, setup_context=_setup_context)

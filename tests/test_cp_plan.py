@@ -15,18 +15,27 @@ def cp():
     return cp_fwd
 
 
-@pytest.mark.parametrize("lens,h_v,expect_cp", [
-    ([32768], 8, True),  # one sequence, few heads: most SMs idle
-    ([8192], 16, True),
-    ([32768], 64, False),  # 64 CTAs per sequence already
-    ([8192] * 4, 16, False),  # Be * H = 64
-    ([28672, 4096], 32, True),  # Be * H = 36.6, long
-    ([8192] * 4, 8, True),  # Be * H = 32, each sequence 4x the work per SM
-    ([2890, 5291, 11998, 12589], 32, False),  # Be * H = 83
-    ([2048], 2, False),  # too short to pay for the extra launches
+@pytest.mark.parametrize("lens,h_v,backward,expect_cp", [
+    ([32768], 8, False, True),  # one sequence, few heads: most SMs idle
+    ([8192], 16, False, True),
+    ([32768], 64, False, False),  # 64 CTAs per sequence already
+    ([8192] * 4, 16, False, False),  # Be * H = 64
+    ([28672, 4096], 32, False, True),  # Be * H = 36.6, long
+    ([8192] * 4, 8, False, True),  # Be * H = 32, each sequence 4x the work per SM
+    ([2890, 5291, 11998, 12589], 32, False, False),  # Be * H = 83
+    ([2048], 2, False, False),  # too short to pay for the extra launches
+    # with the backward reusing the plan, splitting pays for shorter and more sequences
+    ([32768], 8, True, True),
+    ([8192] * 4, 16, True, False),  # Be * H = 64
+    ([7296, 640, 256], 32, True, True),  # Be * H = 36.4, 114 chunks
+    ([4600, 1800, 1792], 32, True, True),  # Be * H = 57.8, 72 chunks
+    ([2890, 5291, 11998, 12589], 32, True, False),  # Be * H = 83
+    ([1980] + [888] * 7, 4, True, True),  # Be * H = 16.9, 31 chunks: pieces of 8
+    ([1980] + [888] * 7, 8, True, False),  # Be * H = 33.8, too short
+    ([960], 2, True, False),  # fewer than two pieces' worth of chunks
 ])
-def test_piece_chunks_rule(cp, lens, h_v, expect_cp):
-    chunks = cp.piece_chunks(lens, h_v, n_sm=132)
+def test_piece_chunks_rule(cp, lens, h_v, backward, expect_cp):
+    chunks = cp.piece_chunks(lens, h_v, n_sm=132, backward=backward)
     assert (chunks is not None) == expect_cp
     if chunks is not None:
         assert chunks >= 8 and chunks & (chunks - 1) == 0  # a power of two, at least 8 chunks

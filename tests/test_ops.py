@@ -89,7 +89,8 @@ def test_compile_dynamic_hopper_aux(varlen, monkeypatch):
     context-parallel cache, whose length depends on the data (here on the last sequence's length)."""
     seen = []
 
-    def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts):
+    def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, for_backward):
+        assert for_backward  # the inputs require grad
         tt, gb = dispatch.aux_like(q, k, v, cu_seqlens)
         o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
         last = q.shape[1] if cu_seqlens is None else int(cu_seqlens[-1] - cu_seqlens[-2])
@@ -117,6 +118,24 @@ def test_compile_dynamic_hopper_aux(varlen, monkeypatch):
         assert gb.shape == (slots * 2 * 64,) and gb.dtype == torch.float32 and gb.eq(2).all()
         assert cp_cache.shape == (3 * (cu[-1] - cu[-2]),) and cp_cache.eq(3).all()
     assert counter.frame_count == 1
+
+
+def test_forward_is_told_whether_a_backward_follows(monkeypatch):
+    """The op keeps its backward's context-parallel cache only when autograd will call that backward."""
+    seen = []
+    real = dispatch.forward
+
+    def forward(*args):
+        seen.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(dispatch, "forward", forward)
+    kw = _fresh(70)
+    chunk_gated_delta_rule(**kw)
+    with torch.no_grad():
+        chunk_gated_delta_rule(**{n: t.requires_grad_() if n == "v" else t for n, t in kw.items()})
+    chunk_gated_delta_rule(**kw)
+    assert seen == [False, False, True]
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

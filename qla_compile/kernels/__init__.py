@@ -22,7 +22,7 @@ CUDA graphs: dense inputs are capturable (no host sync; the chunk tables are bui
 Varlen inputs are capturable too, with no warm-up call, when ``cu_seqlens`` is already a CUDA tensor:
 the number of chunk slots is bounded by ``T_total // 64 + N`` from shapes alone (a CPU ``cu_seqlens``
 is copied to the device, which capture forbids). Context parallelism needs the sequence lengths on
-the host: with H_v <= 56 an uncaptured varlen call reads a CUDA ``cu_seqlens`` (one synchronisation,
+the host: with H_v <= 60 an uncaptured varlen call reads a CUDA ``cu_seqlens`` (one synchronisation,
 once per tensor: the lengths are cached by identity and version) and builds the piece tables; a
 captured call runs context-parallel only when an earlier uncaptured call with the same ``cu_seqlens``
 tensor (or the same dense shape) left that plan in the cache, and unsplit otherwise.
@@ -45,7 +45,7 @@ _HEAD_DIMS = (128,)
 # Below this many (sequence, v-head) pairs the V dimension is split in two to fill the 132 SMs.
 _FULL_DV_MIN_CTAS = 88
 # Context parallelism is only ever chosen for at most this many v-heads (``cp_fwd.piece_chunks``).
-_CP_MAX_HEADS = 56
+_CP_MAX_HEADS = 60
 
 
 def hopper_supported(q, k, v, *args, **kwargs) -> bool:
@@ -169,15 +169,17 @@ def _check_context_parallel(context_parallel):
                          f"64-token chunks >= 1, got {context_parallel!r}")
 
 
-def _cp_plan(context_parallel, cu_seqlens, batch, seqlen, h_v, device):
-    """The :class:`_Pieces` of the context-parallel plan when the kernels run context-parallel, else None."""
+def _cp_plan(context_parallel, cu_seqlens, batch, seqlen, h_v, device, backward):
+    """The :class:`_Pieces` of the context-parallel plan when the kernels run context-parallel, else None
+    (``backward``: the plan of a forward and backward pair, ``cp_fwd.piece_chunks``)."""
     if context_parallel is False or (context_parallel is None and h_v > _CP_MAX_HEADS):
         return None
     lens = _host_lengths(cu_seqlens, batch, seqlen)
     if lens is None:
         return None
     if context_parallel is None:
-        chunks = cp_fwd.piece_chunks(lens, h_v, torch.cuda.get_device_properties(device).multi_processor_count)
+        n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+        chunks = cp_fwd.piece_chunks(lens, h_v, n_sm, backward)
     else:
         chunks = context_parallel
     if chunks is None or max(lens) <= chunks * gdr_fwd.CHUNK:
@@ -253,10 +255,11 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     ``gb``: fp32 ``[n_slots, H_v, 2, 64]``, row 0 the in-chunk inclusive cumsum of g, row 1 beta; rows past
     a sequence's end have g = beta = 0 (so gamma repeats the last value and T~ has unit rows there).
     With ``use_qk_l2norm`` the kernels see the normalised q, k (done here with torch ops).
-    ``context_parallel``: None chooses (``cp_fwd.piece_chunks``), False never splits, an int splits
-    every longer sequence into pieces of that many chunks. ``cp_cache``: when the forward ran context-parallel
-    and ``for_backward``, the pieces' initial states, transitions and skip table as one flat fp32 tensor
-    (``_cp_cache_views``; the transitions formed for a backward, so it skips that plan); else empty.
+    ``context_parallel``: None chooses (``cp_fwd.piece_chunks``, with ``for_backward`` the rule of a forward
+    and backward pair), False never splits, an int splits every longer sequence into pieces of that many
+    chunks. ``cp_cache``: when the forward ran context-parallel and ``for_backward``, the pieces' initial
+    states, transitions and skip table as one flat fp32 tensor (``_cp_cache_views``; the transitions formed
+    for a backward, so it skips that plan); else empty.
     Tokens after ``cu_seqlens[-1]`` are not written.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
@@ -285,7 +288,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     cu, offsets, order = _tables(cu_seqlens, B, T, q.device)
     gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g2, b2, cu, offsets, tt, gb)
 
-    cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device)
+    cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device, for_backward)
     if cp is not None:
         o, ht, cache = _forward_cp(q3, k3, v3, tt, gb, scale, initial_state, dtype, cp, for_backward)
         return o.view(B, T, h_v, dv), ht, tt, gb, offsets, (cache if for_backward else no_cache)

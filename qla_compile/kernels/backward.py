@@ -141,7 +141,7 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
         gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g_tok, b_tok, cu, offsets, tt, gb)
     else:
         tt, gb = aux[:2]
-    cp = _cp_plan(context_parallel, cu_seqlens, B, T_, h_v, dev)
+    cp = _cp_plan(context_parallel, cu_seqlens, B, T_, h_v, dev, backward=True)
     h, transitions = _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, cp, cp_cache)
     has_h0 = initial_state is not None
     dh, dh0, sd = _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, order, dht, has_h0, scale, dtype, cp, transitions)

@@ -34,24 +34,30 @@ _SCAN_BLOCK_DV = 32
 _NO_CHUNKS = 1 << 30  # skip value of a sequence's last piece: its E and M are not needed
 
 
-def piece_chunks(lens, h_v: int, n_sm: int):
-    """Piece length in chunks when CP pays off for these sequence lengths, else None.
+def piece_chunks(lens, h_v: int, n_sm: int, backward: bool = False):
+    """Piece length in chunks when CP pays off for these sequence lengths, else None; ``backward``: for a
+    forward whose plan its backward reuses (the rule of the pair), else for a forward alone.
 
-    With n_c chunks per sequence and Be = sum(n_c) / max(n_c) the effective number of sequences, CP is
-    on when Be * H_v <= 24 with a sequence of at least 64 chunks, or Be * H_v <= 56 with one of at least
-    128; the piece length is L = 2^round(log2(4.5 sqrt(H_v sum(n_c) / SMs))), at least 8 chunks (the
-    shape of FlashQLA's rule, balancing the pieces' walk against the warm-up and scan). Fitted to forward
-    and backward times of FlashQLA's 32-row backward set on an H200 (``bench/NOTES-bwd.md``, session 6):
-    below these bounds the transitions of non-decaying heads cost more than the split saves.
+    With n_c chunks per sequence and Be = sum(n_c) / max(n_c) the effective number of sequences, the piece
+    length is L = 2^round(log2(4.5 sqrt(H_v sum(n_c) / SMs))), at least 8 chunks (the shape of FlashQLA's
+    rule, balancing the pieces' walk against the warm-up and scan). A forward alone splits when Be * H_v <= 24
+    with a sequence of at least 64 chunks, or Be * H_v <= 56 with one of at least 128; with its backward,
+    when the longest sequence has at least 2 L chunks and Be * H_v <= 24, or Be * H_v <= 60 with at least 64.
+    Fitted to the forward and to forward + backward times of FlashQLA's 32-row backward set on an H200
+    (``bench/NOTES-bwd.md``, sessions 6 and 7): beyond these bounds the transitions of non-decaying heads
+    cost more than the split saves.
     """
     n_c = [-(-n // CHUNK) for n in lens]
     total, longest = sum(n_c), max(n_c, default=0)
     if longest == 0:
         return None
     be_h = total / longest * h_v
-    if not ((be_h <= 24 and longest >= 64) or (be_h <= 56 and longest >= 128)):
-        return None
-    return max(_MIN_PIECE_CHUNKS, 2 ** round(math.log2(4.5 * math.sqrt(h_v * total / n_sm))))
+    chunks = max(_MIN_PIECE_CHUNKS, 2 ** round(math.log2(4.5 * math.sqrt(h_v * total / n_sm))))
+    if backward:
+        on = longest >= 2 * chunks and (be_h <= 24 or (be_h <= 60 and longest >= 64))
+    else:
+        on = (be_h <= 24 and longest >= 64) or (be_h <= 56 and longest >= 128)
+    return chunks if on else None
 
 
 def pieces(lens, chunk_len: int):

@@ -31,7 +31,7 @@ def fused_gdn(q, k, v, g, beta, initial_state, *, head_major, state_v_first, l2n
     if initial_state is not None:
         initial_state = initial_state.to(torch.float32)
     o, state, *_ = ops.chunk_gdr_fwd(q, k, v, g, beta, None, None, initial_state, None, scale, l2norm, False,
-                                       False, False, state_v_first)
+                                     False, False, state_v_first, torch.is_grad_enabled())
     o = o.to(output_dtype)
     return (o.transpose(1, 2) if output_head_major else o), state
 

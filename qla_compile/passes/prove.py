@@ -169,7 +169,7 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 def _run_op(canon: dict, l2norm: bool, v_first: bool):
     o, state, *_ = ops.chunk_gdr_fwd(
         canon["q"], canon["k"], canon["v"], canon["g"], canon["beta"], None, None, canon.get("initial_state"),
-        None, 1.0, l2norm, False, False, False, v_first,
+        None, 1.0, l2norm, False, False, False, v_first, False,
     )
     return o, state
 
