@@ -85,42 +85,34 @@ def test_hopper_op_compiles_once_for_many_lengths():
     assert len(graphs) == 1
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
-def test_saved_aux_gives_bitwise_the_same_gradients(monkeypatch):
-    """Autograd reuses the forward's T~ and [gamma; beta] (kkt_inverse does not run in the backward) and gets
-    bitwise the gradients of the Hopper backward that recomputes them."""
-    from qla_compile.kernels import backward, gdr_fwd
+# what the backward must not recompute when autograd hands it the forward's aux: (inputs, module, function)
+_REUSE_CASES = {
+    # T~ and [gamma; beta]: kkt_inverse does not run in the backward
+    "aux": (dict(T=333, H=2, HV=4, cu_seqlens=[0, 70, 71, 250, 333], seed=5), "gdr_fwd", "kkt_inverse"),
+    # a context-parallel forward's pieces: no warm-up plan, transitions or scan before the state recompute
+    "cp-cache": (dict(T=9000, H=1, HV=2, cu_seqlens=[0, 8300, 9000], seed=7), "backward", "_piece_initial_states"),
+}
 
-    kw = make_inputs(T=333, H=2, HV=4, K=128, V=128, cu_seqlens=[0, 70, 71, 250, 333], initial_state=True,
-                     dtype=torch.bfloat16, device="cuda", seed=5)
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("case", list(_REUSE_CASES))
+def test_saved_aux_gives_bitwise_the_same_gradients(case, monkeypatch):
+    """Autograd reuses what the forward saved instead of recomputing it in the backward (T~ and [gamma; beta];
+    a context-parallel forward's piece states and transitions) and gets bitwise the gradients of the Hopper
+    backward that recomputes it."""
+    import importlib
+
+    from qla_compile.kernels import backward
+
+    inputs, module, function = _REUSE_CASES[case]
+    kw = make_inputs(K=128, V=128, initial_state=True, dtype=torch.bfloat16, device="cuda", **inputs)
     assert dispatch.select(kw["q"], kw["k"], kw["v"]) == "hopper"
     names = ("q", "k", "v", "g", "beta", "initial_state")
     leaves = _leaves(kw)
     o, ht = chunk_gated_delta_rule(**leaves, output_final_state=True)
     do, dht = torch.randn_like(o), torch.randn_like(ht)
-    monkeypatch.setattr(gdr_fwd, "kkt_inverse", lambda **_: pytest.fail("the backward recomputed T~"))
-    grads = torch.autograd.grad((o, ht), [leaves[n] for n in names], (do, dht))
-    monkeypatch.undo()
-    recomputed = backward.chunk_gdr_bwd_hopper(do, dht, *(kw[n] for n in names[:5]), 128**-0.5, kw["initial_state"],
-                                               kw["cu_seqlens"])
-    for name, a, b in zip(names, grads, recomputed):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
-
-
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
-def test_saved_cp_cache_gives_bitwise_the_same_gradients(monkeypatch):
-    """When the forward runs context-parallel, autograd saves the pieces' initial states and transitions and the
-    backward does not recompute them (no warm-up plan, transitions or scan before its state recompute), with
-    bitwise the gradients of the backward that does."""
-    from qla_compile.kernels import backward
-
-    kw = make_inputs(T=9000, H=1, HV=2, K=128, V=128, cu_seqlens=[0, 8300, 9000], initial_state=True,
-                     dtype=torch.bfloat16, device="cuda", seed=7)
-    names = ("q", "k", "v", "g", "beta", "initial_state")
-    leaves = _leaves(kw)
-    o, ht = chunk_gated_delta_rule(**leaves, output_final_state=True)
-    do, dht = torch.randn_like(o), torch.randn_like(ht)
-    monkeypatch.setattr(backward, "_piece_initial_states", lambda *a, **k: pytest.fail("the backward recomputed"))
+    monkeypatch.setattr(importlib.import_module(f"qla_compile.kernels.{module}"), function,
+                        lambda *a, **k: pytest.fail(f"the backward called {function}"))
     grads = torch.autograd.grad((o, ht), [leaves[n] for n in names], (do, dht))
     monkeypatch.undo()
     recomputed = backward.chunk_gdr_bwd_hopper(do, dht, *(kw[n] for n in names[:5]), 128**-0.5, kw["initial_state"],
