@@ -4,7 +4,9 @@
 and the public function drops it when it was not asked for.  ``tt, gb`` are the Hopper forward's gate-free
 inverse T~ and per-chunk [gamma; beta], flat and not differentiable (``dispatch.aux_like``; empty on the
 reference path); ``cp_cache`` holds the context-parallel pieces' initial states and transitions when the Hopper
-forward split its sequences (``dispatch.cp_cache_like``: a data-dependent length, 0 when it did not split).
+forward split its sequences and its last argument ``for_backward`` says a backward will follow (the public
+function passes whether autograd will differentiate the call; ``dispatch.cp_cache_like``: a data-dependent
+length, 0 otherwise).
 ``qla::chunk_gdr_bwd`` takes what the forward took plus ``do``/``dht`` (and optionally ``tt``/``gb``/``cp_cache``)
 and returns every input gradient; gradients of absent optional inputs (``A_log``, ``dt_bias``,
 ``initial_state``) come back as empty tensors, since an op cannot return ``None``.
