@@ -194,7 +194,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             pb2_s = T.alloc_shared((2, C), acc)
             pb1_s = T.alloc_shared((4, C), acc)  # per-warp partial column sums: dbeta (dA)
             bar = T.alloc_barrier(threads)
-            # aliases (TileLang does not see them: every switch between views is synced by hand)
+            # views of tiles while they are dead (same memory and layout as their parent; each switch is synced)
             pq32 = T.view(ds_s, (C, dk), acc)  # running dq sum, once dS' is read
             pk32 = T.view(wd_s, (C, dk), acc)  # running dk sum, once W' and dv are read
             h16 = T.view(wd_s, (dk, dv), half) if dtype != half else None  # S as loaded, until W' is written
