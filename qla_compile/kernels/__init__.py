@@ -195,6 +195,30 @@ def _state_arg(state, h_v, dk, dv, device):
     return state.to(torch.float32).contiguous()
 
 
+def _n_slots(n_tok, n_seq):
+    """Chunk slots of the per-chunk tables: a bound on the chunks of ``n_seq`` sequences of ``n_tok`` tokens
+    in all, from shapes alone."""
+    return n_tok // gdr_fwd.CHUNK + n_seq
+
+
+def _chunk_tables(n_tok, n_seq, h_v, device):
+    """Uninitialised per-chunk tables ``(tt, gb)`` of :func:`_n_slots` slots (see
+    :func:`chunk_gdr_fwd_hopper_aux`)."""
+    n_slots = _n_slots(n_tok, n_seq)
+    tt = torch.empty(n_slots, h_v, gdr_fwd.CHUNK, gdr_fwd.CHUNK, device=device, dtype=torch.float16)
+    gb = torch.empty(n_slots, h_v, 2, gdr_fwd.CHUNK, device=device, dtype=torch.float32)
+    return tt, gb
+
+
+def _gate_inverse(k3, g, beta, cu, offsets, tt, gb, dtype):
+    """``gdr_fwd.kkt_inverse`` into ``tt, gb`` (from :func:`_chunk_tables`) for the packed ``k3`` and the
+    activated gates ``g``, ``beta`` (``[B, T, H_v]``, any float dtype)."""
+    n_tok, h_v = k3.shape[0], gb.shape[1]
+    g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
+    b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
+    gdr_fwd.kkt_inverse(dk=k3.shape[2], dtype=dtype)(k3, g_tok, b_tok, cu, offsets, tt, gb)
+
+
 def _block_dv(n_ctas, dv):
     """The DV tile of the state kernels: all of V, or half of it when few CTAs would run."""
     return dv if n_ctas >= _FULL_DV_MIN_CTAS else dv // 2
@@ -271,9 +295,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
         q, k = _l2norm(q), _l2norm(k)
     n_tok = B * T
     n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    n_slots = n_tok // gdr_fwd.CHUNK + n_seq
-    tt = torch.empty(n_slots, h_v, gdr_fwd.CHUNK, gdr_fwd.CHUNK, device=q.device, dtype=torch.float16)
-    gb = torch.empty(n_slots, h_v, 2, gdr_fwd.CHUNK, device=q.device, dtype=torch.float32)
+    tt, gb = _chunk_tables(n_tok, n_seq, h_v, q.device)
     no_cache = torch.empty(0, device=q.device, dtype=torch.float32)
     if n_tok == 0:
         ht = torch.zeros(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
@@ -283,10 +305,8 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     q3 = q.reshape(n_tok, h_qk, dk).contiguous()
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
-    g2 = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
-    b2 = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
     cu, offsets, order = _tables(cu_seqlens, B, T, q.device)
-    gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g2, b2, cu, offsets, tt, gb)
+    _gate_inverse(k3, g, beta, cu, offsets, tt, gb, dtype)
 
     cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device, for_backward)
     if cp is not None:

@@ -16,8 +16,9 @@ Pipeline (one packed token stream, chunks numbered as in ``gdr_fwd``; notation i
 
 import torch
 
-from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _cp_cache_views, _cp_plan, _piece_initial_states,
-               _state_arg, _tables, cp_fwd, fused_bwd, fused_fwd, gdr_bwd, gdr_fwd)
+from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _chunk_tables, _cp_cache_views, _cp_plan,
+               _gate_inverse, _n_slots, _piece_initial_states, _state_arg, _tables, cp_fwd, fused_bwd, fused_fwd,
+               gdr_bwd, gdr_fwd)
 
 CHUNK = gdr_fwd.CHUNK
 
@@ -25,9 +26,9 @@ CHUNK = gdr_fwd.CHUNK
 def _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, cp, cp_cache=None):
     """Every chunk-start state of the forward recurrence, fp16 ``[n_slots, H_v, K, V]`` (slot numbering
     of ``offsets``), by the fused forward in its ``store_h`` mode; context-parallel over the pieces ``cp``
-    (a ``kernels._Pieces``) when given, their initial states and transitions taken from the forward's
-    ``cp_cache`` when it holds them. Returns ``(h, transitions)``: None or the pieces' ``(skip, m)`` that the
-    reverse pass reuses."""
+    (a ``kernels._Pieces``, whose tables ``cu, offsets, order`` then are) when given, their initial states and
+    transitions taken from the forward's ``cp_cache`` when it holds them. Returns ``(h, transitions)``: None or
+    the pieces' ``(skip, m)`` that the reverse pass reuses."""
     n_slots, h_v, dk, dv = tt.shape[0], v3.shape[1], k3.shape[2], v3.shape[2]
     h = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=torch.float16)
     transitions = None
@@ -38,7 +39,6 @@ def _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, 
             h0, bv, skip, m, _ = _piece_initial_states(q3, k3, v3, tt, gb, initial_state, dtype, cp, backward=True)
         else:
             (h0, m, skip), bv = cached, _block_dv(n_p * h_v, dv)
-        cu, offsets, order = cp.cu, cp.offsets, cp.order
         has_h0, transitions = True, (skip, m)
     else:
         has_h0 = initial_state is not None
@@ -50,16 +50,14 @@ def _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, 
 
 
 def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, order, dht, has_h0, scale, dtype, cp, transitions):
-    """``fused_bwd.chunk_dstates_ws``: ``(dh, dh0, sd)``. Over the context-parallel pieces ``cp`` (with the
-    ``transitions`` of ``_chunk_states``), every piece first passes back the state gradient of a zero one
-    (the transition mode), a reverse scan (``cp_fwd.scan``) chains them into the gradient entering each
-    piece, and the pieces then run in parallel."""
+    """``fused_bwd.chunk_dstates_ws``: ``(dh, dh0, sd)``. Over the context-parallel pieces ``cp`` (whose tables
+    ``cu, offsets, order`` then are, with the ``transitions`` of ``_chunk_states``), every piece first passes
+    back the state gradient of a zero one (the transition mode), a reverse scan (``cp_fwd.scan``) chains them
+    into the gradient entering each piece, and the pieces then run in parallel."""
     n_slots, h_v, dk, dv = tt.shape[0], do3.shape[1], q3.shape[2], do3.shape[2]
     f32 = dict(device=q3.device, dtype=torch.float32)
     has_dht = dht is not None
     dht = _state_arg(dht, h_v, dk, dv, q3.device)
-    if cp is not None:  # from here on the pieces stand for the sequences
-        cu, offsets, order = cp.cu, cp.offsets, cp.order
     n_seq = cu.numel() - 1
     block_dv = _block_dv(n_seq * h_v, dv)
     if cp is not None:
@@ -117,10 +115,10 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     h_v, dv = v.shape[2], v.shape[3]
     dtype = _DTYPES[q.dtype]
     n_tok = B * T_
-    n_slots = n_tok // CHUNK + (B if cu_seqlens is None else cu_seqlens.numel() - 1)
+    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
     dev = q.device
     if aux is not None:
-        _check_aux(aux, n_slots, h_v, dev)
+        _check_aux(aux, _n_slots(n_tok, n_seq), h_v, dev)
     if n_tok == 0:  # nothing to launch; dh0 is dht passed straight through
         dh0 = None
         if initial_state is not None:
@@ -132,25 +130,24 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     do3 = do.reshape(n_tok, h_v, dv).to(v.dtype).contiguous()
     cu, offsets, order = _tables(cu_seqlens, B, T_, dev)
 
-    cp_cache = aux[2] if aux is not None and len(aux) == 3 else None
     if aux is None:
-        g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
-        b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
-        tt = torch.empty(n_slots, h_v, CHUNK, CHUNK, device=dev, dtype=torch.float16)
-        gb = torch.empty(n_slots, h_v, 2, CHUNK, device=dev, dtype=torch.float32)
-        gdr_fwd.kkt_inverse(dk=dk, dtype=dtype)(k3, g_tok, b_tok, cu, offsets, tt, gb)
+        tt, gb = _chunk_tables(n_tok, n_seq, h_v, dev)
+        _gate_inverse(k3, g, beta, cu, offsets, tt, gb, dtype)
     else:
         tt, gb = aux[:2]
+    cp_cache = aux[2] if aux is not None and len(aux) == 3 else None
     cp = _cp_plan(context_parallel, cu_seqlens, B, T_, h_v, dev, backward=True)
-    h, transitions = _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, cp, cp_cache)
+    # the two recurrences walk the pieces when split (they stand for the sequences there), else the sequences
+    walk = (cu, offsets, order) if cp is None else (cp.cu, cp.offsets, cp.order)
+    h, transitions = _chunk_states(q3, k3, v3, tt, gb, *walk, initial_state, dtype, cp, cp_cache)
     has_h0 = initial_state is not None
-    dh, dh0, sd = _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, order, dht, has_h0, scale, dtype, cp, transitions)
+    dh, dh0, sd = _chunk_dstates(q3, k3, do3, tt, gb, h, *walk, dht, has_h0, scale, dtype, cp, transitions)
 
     f32 = dict(device=dev, dtype=torch.float32)
 
     # dq, dk summed over each GVA group in the kernel (fp32 through the scratch when G > 1) and written in the
     # input dtype; every row of every output is written (the spare chunk slots zero the rows past cu_seqlens[-1])
-    acc = torch.empty(n_slots if h_v > h_qk else 1, h_qk, 2, CHUNK, dk, **f32)
+    acc = torch.empty(tt.shape[0] if h_v > h_qk else 1, h_qk, 2, CHUNK, dk, **f32)
     dq, dkh = torch.empty_like(q3), torch.empty_like(k3)
     dvo = torch.empty_like(v3)
     dg = torch.empty(h_v, n_tok, **f32)
