@@ -50,7 +50,7 @@ def _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, 
 
 
 def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, order, dht, has_h0, scale, dtype, cp, transitions):
-    """``fused_bwd.chunk_dstates_ws``: ``(dh, dh0, sd)``. Over the context-parallel pieces ``cp`` (whose tables
+    """``fused_bwd.chunk_dstates_ws``: ``(dh, dvp, dh0, sd)``. Over the context-parallel pieces ``cp`` (whose tables
     ``cu, offsets, order`` then are, with the ``transitions`` of ``_chunk_states``), every piece first passes
     back the state gradient of a zero one (the transition mode), a reverse scan (``cp_fwd.scan``) chains them
     into the gradient entering each piece, and the pieces then run in parallel."""
@@ -69,13 +69,14 @@ def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, order, dht, has_h0, scal
         cp_fwd.scan(dk=dk, dv=dv, has_h0=has_dht, reverse=True)(passed, m, skip, cp.seq_pieces, dht, entering)
         dht, has_dht = entering, True
     dh = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=q3.dtype)
+    dvp = torch.empty(n_slots, h_v, CHUNK, dv, device=q3.device, dtype=q3.dtype)
     dh0 = torch.empty(n_seq, h_v, dk, dv, **f32)
     sd = (torch.empty if block_dv < dv else torch.zeros)(n_slots, h_v, 2, dk, **f32)
     fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
-        q3, k3, do3, tt, gb, h, cu, offsets, order, dht, float(scale), dh, dh0, sd)
+        q3, k3, do3, tt, gb, h, cu, offsets, order, dht, float(scale), dh, dvp, dh0, sd)
     if cp is not None and has_h0:  # each sequence's dh0 is its first piece's
         dh0 = dh0.index_select(0, cp.seq_pieces[:-1])
-    return dh, dh0, sd
+    return dh, dvp, dh0, sd
 
 
 def _check_aux(aux, n_slots, h_v, device):
@@ -141,7 +142,7 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     walk = (cu, offsets, order) if cp is None else (cp.cu, cp.offsets, cp.order)
     h, transitions = _chunk_states(q3, k3, v3, tt, gb, *walk, initial_state, dtype, cp, cp_cache)
     has_h0 = initial_state is not None
-    dh, dh0, sd = _chunk_dstates(q3, k3, do3, tt, gb, h, *walk, dht, has_h0, scale, dtype, cp, transitions)
+    dh, dvp, dh0, sd = _chunk_dstates(q3, k3, do3, tt, gb, h, *walk, dht, has_h0, scale, dtype, cp, transitions)
 
     f32 = dict(device=dev, dtype=torch.float32)
 
@@ -152,8 +153,8 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     dvo = torch.empty_like(v3)
     dg = torch.empty(h_v, n_tok, **f32)
     db = torch.empty(h_v, n_tok, **f32)
-    gdr_bwd.chunk_grads(dk=dk, dv=dv, dtype=dtype)(q3, k3, v3, do3, tt, gb, h, dh, sd, cu, offsets, float(scale),
-                                                   acc, dq, dkh, dvo, dg, db)
+    gdr_bwd.chunk_grads(dk=dk, dv=dv, dtype=dtype)(q3, k3, v3, do3, tt, gb, h, dh, dvp, sd, cu, offsets,
+                                                   float(scale), acc, dq, dkh, dvo, dg, db)
     dq = dq.view(B, T_, h_qk, dk)
     dkh = dkh.view(B, T_, h_qk, dk)
     dg = dg.t().to(g.dtype).reshape(B, T_, h_v)

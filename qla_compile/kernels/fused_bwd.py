@@ -8,7 +8,9 @@ arriving from the later chunks:
 * WG0 "state" holds dS' (fp32, registers). Publishes it to shared memory (input dtype), sums the rows
   of dS' o S (dg's gamma_C term, from the fp32 dS'), then dS = e^{gamma_C} dS' + Q^T W + K^T dU0.
 * WG1 "delta": dV' = r o (K dS') + P_g^T dO, dU0 = -e o (A_g^T dV') (dV' and dU0 are staged over
-  this chunk's dO tile, dead by then); hands dU0 to WG0. This is the state chain.
+  this chunk's dO tile, dead by then); hands dU0 to WG0. This is the state chain. dV' also goes to
+  ``dvp`` by a TMA store issued before A_g^T dV' and waited for only before dU0 overwrites the tile, so
+  ``gdr_bwd.chunk_grads`` need not recompute K dS', P_g and P_g^T dO.
 * WG2 "prep" (state-independent, a chunk ahead): P_g = scale Gamma o Q K^T and A_g = Gamma o T~ o
   beta_col, W = scale e o dO; stores the published dS' to ``dh`` by TMA.
 * WG3 "producer": one warp TMA-loads q and k, one dO, one T~ and [gamma; beta] into a two-stage ring,
@@ -33,10 +35,12 @@ _NREG = (200, 128, 160, 24)
 @compiled
 def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: bool, block_dv: int = 128,
                      transition: bool = False):
-    """Stores each chunk's incoming dS' (input dtype) in ``dh``, dh0 (fp32) when asked, and ``sd``.
+    """Stores each chunk's incoming dS' and its dV' (input dtype) in ``dh`` and ``dvp``, dh0 (fp32) when asked,
+    and ``sd``.
 
-    ``kernel(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dht, scale, dh, dh0, sd)`` (``order`` as for
-    ``fused_fwd.chunk_fwd_ws``);
+    ``kernel(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dht, scale, dh, dvp, dh0, sd)`` (``order`` as
+    for ``fused_fwd.chunk_fwd_ws``); ``dvp[chunk, hv]`` is the chunk's (C, V) dV' tile, its rows past the
+    sequence's end unspecified;
     ``sd[chunk, hv, bv, :]`` are the row sums over DV slice ``bv`` of dS' o S with the fp32 dS' (slot 1
     is not written when V is not split).
 
@@ -57,7 +61,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
     assert dv // BV <= 2, "sd has two DV-slice slots"
 
     @T.macro
-    def body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dht, scale, dh, dh0, sd):
+    def body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dht, scale, dh, dvp, dh0, sd):
         with T.Kernel(h_v, dv // BV, n_seq1 - 1, threads=512) as (hv, bv, rank):  # launch order as in the forward
             T.import_source(_PTX)
             # two-stage input ring, filled by TMA (dO's slot later holds dV', then dU0)
@@ -88,6 +92,8 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             w_ready = T.alloc_barrier(128)  # WG2 wrote W (and has read dO)
             w_free = T.alloc_barrier(128)
             du_ready = T.alloc_barrier(128)  # WG1 wrote dU0
+            if not transition:
+                dvp_read = T.alloc_barrier(128)  # WG1's dV' store has read its tile
 
             seq = T.alloc_var("int32", init=order[rank])
             hk = hv // (h_v // h_qk)
@@ -160,11 +166,17 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                     T.barrier_wait(w_ready, j % 2)  # WG2 has read dO: its slot takes dV'
                     T.copy(u_f, do_s[st, :, :])
                     T.fence_proxy_async()
+                    if not transition:  # dV' for chunk_grads, stored under the GEMM
+                        T.tma_copy(do_s[st, :, :], dvp[coff + n_c - 1 - j, hv, :, v0 : v0 + BV])
                     T.barrier_wait(a_ready, j % 2)
                     T.gemm(a_s, do_s[st, :, :], u_f, transpose_A=True, clear_accum=True)
                     T.barrier_arrive(a_free)
                     for a, b in T.Parallel(C, BV):
                         u_f[a, b] = u_f[a, b] * e_f[a]
+                    if not transition:  # the store has read dV' before dU0 overwrites it
+                        T.tma_store_wait(0)
+                        T.barrier_arrive(dvp_read)
+                        T.barrier_wait(dvp_read, j % 2)
                     T.copy(u_f, do_s[st, :, :])
                     T.fence_proxy_async()
                     T.barrier_arrive(du_ready)
@@ -251,7 +263,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             scale: T.float32,
             dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
         ):
-            body(q, k, do, tt, gb, None, cu_seqlens, chunk_offsets, order, None, scale, None, dh0, None)
+            body(q, k, do, tt, gb, None, cu_seqlens, chunk_offsets, order, None, scale, None, None, dh0, None)
 
     else:
 
@@ -269,10 +281,11 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             dht: T.Tensor((n_dht, h_v, dk, dv), acc),
             scale: T.float32,
             dh: T.Tensor((n_chunk, h_v, dk, dv), dtype),
+            dvp: T.Tensor((n_chunk, h_v, C, dv), dtype),
             dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
             sd: T.Tensor((n_chunk, h_v, 2, dk), acc),
         ):
-            body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dht, scale, dh, dh0, sd)
+            body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dht, scale, dh, dvp, dh0, sd)
 
     return kernel
 

@@ -4,9 +4,10 @@ Notation as in ``shared/docs/gdn-kernel-design.md`` §1.4 and ``reference._backw
 executable spec): gamma = in-chunk inclusive cumsum of g, e = exp(gamma), r = exp(gamma_C - gamma),
 a = exp(gamma_C), Gamma_ij = exp(gamma_i - gamma_j) (i >= j), A_g = Gamma o T~ o beta_col,
 P_g = scale Gamma o Q K^T, U0 = K S, W' = V - e o U0, V' = A_g W'. The pipeline around it is in
-``backward``: :func:`chunk_grads` gets every chunk's start state S (fp16, ``h``) and incoming state
-gradient dS' (input dtype, ``dh``) from the two recurrences and, one CTA per (chunk, qk-head) looping
-over the GVA group's v-heads, forms dq, dk (summed over the group on chip), dv, dg and dbeta.
+``backward``: :func:`chunk_grads` gets every chunk's start state S (fp16, ``h``), incoming state
+gradient dS' and dV' = r o K dS' + P_g^T dO (input dtype, ``dh`` and ``dvp``) from the two recurrences
+and, one CTA per (chunk, qk-head) looping over the GVA group's v-heads, forms dq, dk (summed over the
+group on chip), dv, dg and dbeta.
 
 dg is formed without cancellation, as in the reference: dg_t = sum_{s>=t} de_s + sum_{s<t} dr_s
 + a <dS', S> + sum_{s>=t, j<t} Y_sj with Y = dP o P_g + dA o A_g, all in fp32.
@@ -113,13 +114,14 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
     """Per (chunk, qk-head), given S and dS' of the chunk for each of its G = h_v / h_qk v-heads: dq, dk
     (summed over the GVA group), and per v-head dv, dg, dbeta.
 
-    Call as ``kernel(q, k, v, do, tt, gb, h, dh, sd, cu_seqlens, chunk_offsets, scale, acc, dq, dk, dv, dg,
+    Call as ``kernel(q, k, v, do, tt, gb, h, dh, dvp, sd, cu_seqlens, chunk_offsets, scale, acc, dq, dk, dv, dg,
     dbeta)`` with ``tt``, ``gb`` from ``gdr_fwd.kkt_inverse`` (gamma and the masked beta of the
     chunk), ``tt.shape[0] >= n_tok // 64 + n_seq`` chunk slots (as ``backward`` allocates), and the grid one
     slot longer than that. One CTA loads the q, k tiles once, then loops over the group's v-heads
     hv = hk G + g; every other input tile is TMA-loaded per v-head against one mbarrier (phase g % 2; h too
-    in fp16; in bf16 h comes by cp.async into the free W'/dV' tiles and is converted after the wait); rows of
-    a partial chunk past the sequence end are zeroed in shared memory. Independent GEMMs are issued together
+    in fp16; in bf16 h comes by cp.async into the free W'/dV' tiles and is converted after the wait, and dV'
+    follows into its tile against a second mbarrier); rows of a partial chunk past the sequence end are
+    zeroed in shared memory. Independent GEMMs are issued together
     (``T.wgmma_gemm``) and waited for as late as their first reader. dv is staged over dV' and stored as
     one tile (by rows when the chunk is partial).
 
@@ -156,6 +158,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
         gb: T.Tensor((n_chunk, h_v, 2, C), acc),
         h: T.Tensor((n_chunk, h_v, dk, dv), half),
         dh: T.Tensor((n_chunk, h_v, dk, dv), dtype),
+        dvp: T.Tensor((n_chunk, h_v, C, dv), dtype),
         sd: T.Tensor((n_chunk, h_v, 2, dk), acc),
         cu_seqlens: T.Tensor((n_seq1,), "int32"),
         chunk_offsets: T.Tensor((n_seq1,), "int32"),
@@ -179,7 +182,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             vn_s = T.alloc_shared((C, dv), dtype)
             tt_s = T.alloc_shared((C, C), dtype)  # T~ in the GEMM dtype (fp16 values read from tt)
             a_s = T.alloc_shared((C, C), dtype)  # A_g, then T~^T dT~, then dQK
-            p_s = T.alloc_shared((C, C), dtype)  # P_g, then dT~, then beta o dL
+            p_s = T.alloc_shared((C, C), dtype)  # dT~, then beta o dL
             y_s = T.alloc_shared((C, C), acc)  # the fp16 T~ (TMA), then Y (columns swizzled by _ysw)
             tt16 = T.view(y_s, (2, C, C), half)  # [0]: T~ as loaded, until Y is written
             gb_s = T.alloc_shared((2, C), acc)  # [gamma; beta]
@@ -194,6 +197,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             pb2_s = T.alloc_shared((2, C), acc)
             pb1_s = T.alloc_shared((4, C), acc)  # per-warp partial column sums: dbeta (dA)
             bar = T.alloc_barrier(threads)
+            bar_dvp = T.alloc_barrier(threads)  # dV', loaded once W'/dV' tiles are free
             # views of tiles while they are dead (same memory and layout as their parent; each switch is synced)
             pq32 = T.view(ds_s, (C, dk), acc)  # running dq sum, once dS' is read
             pk32 = T.view(wd_s, (C, dk), acc)  # running dk sum, once W' and dv are read
@@ -241,6 +245,8 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     T.tma_copy(sd[chunk, hv, :, :], sd_s, barrier=bar)
                     if dtype == half:
                         T.tma_copy(h[chunk, hv, :, :], s_s, barrier=bar)
+                        T.tma_copy(dvp[chunk, hv, :, :], wd_s[1, :, :], barrier=bar_dvp)
+                        T.barrier_arrive(bar_dvp)
                     T.barrier_arrive(bar)
                     if dtype != half:
                         T.async_copy(h[chunk, hv, :, :], h16)
@@ -252,6 +258,10 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                         # __float22bfloat162_rn, instead of one element at a time)
                         for i, d in T.Parallel(dk, dv):
                             s_s[i, d] = T.cast(T.cast(h16[i, d], acc), dtype)
+                        T.fence_proxy_async()
+                        T.sync_threads()  # h16 is read: dV' lands in its second half under the first GEMMs
+                        T.tma_copy(dvp[chunk, hv, :, :], wd_s[1, :, :], barrier=bar_dvp)
+                        T.barrier_arrive(bar_dvp)
                     if length < C:  # rows past the sequence's end are zero (gb has g = beta = 0 there)
                         # stores only (a loop that reads what it writes gets a __syncthreads per unrolled iteration)
                         if g == 0:
@@ -266,15 +276,10 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     for i in T.Parallel(C):
                         e_s[i] = _exp(gb_s[0, i])
                         r_s[i] = _exp(gb_s[0, C - 1] - gb_s[0, i])
-                    # P_g = scale Gamma o Q K^T and A_g = Gamma o T~ o beta_col (stmatrix stores); U0 = K S under them
-                    T.wgmma_gemm(q_s, k_s, s1_f, transpose_B=True, clear_accum=True)
+                    # A_g = Gamma o T~ o beta_col (stmatrix store) under U0 = K S
                     T.wgmma_gemm(k_s, s_s, b1_f, clear_accum=True)
-                    T.wait_wgmma(1)
                     for i, j in T.Parallel(C, C):
-                        gm = _gamma(gb_s, i, j)
-                        s2_f[i, j] = gm * T.cast(tt16[0, i, j], acc) * gb_s[1, j]
-                        s1_f[i, j] = scale * gm * s1_f[i, j]
-                    T.copy(s1_f, p_s)
+                        s2_f[i, j] = _gamma(gb_s, i, j) * T.cast(tt16[0, i, j], acc) * gb_s[1, j]
                     T.copy(s2_f, a_s)
                     if dtype == half:
                         T.copy(tt16[0, :, :], tt_s)
@@ -291,25 +296,27 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     for i, d in T.Parallel(C, dv):
                         v_s[i, d] = T.cast(e_s[i] * b1_f[i, d], dtype)
                     T.wgmma_gemm(a_s, wd_s[0, :, :], b1_f, clear_accum=True)
-                    # dV' = r o K dS' + P_g^T dO;  dr = rowsum(r o V' o K dS')
-                    T.wgmma_gemm(k_s, ds_s, b2_f, clear_accum=True)
-                    T.wait_wgmma(1)
+                    T.wait_wgmma(0)
                     T.copy(b1_f, vn_s)
                     # dk starts with r o (V' dS'^T)
                     T.wgmma_gemm(vn_s, ds_s, dk_f, transpose_B=True, clear_accum=True)
-                    T.wait_wgmma(1)
-                    for i, d in T.Parallel(C, dv):
-                        b2_f[i, d] = r_s[i] * b2_f[i, d]
-                        b1_f[i, d] = b1_f[i, d] * b2_f[i, d]
-                    _row_partials(b1_f, dv // 16, part, pr_s, tx)
-                    T.wgmma_gemm(p_s, do_s, b2_f, transpose_A=True)
-                    T.wait_wgmma(0)
-                    T.copy(b2_f, wd_s[1, :, :])
-                    for i, d in T.Parallel(C, dk):
-                        dk_f[i, d] = r_s[i] * dk_f[i, d]
+                    # dV' = r o K dS' + P_g^T dO from the reverse recurrence (rows past the sequence's end zeroed)
+                    T.barrier_wait(bar_dvp, g % 2)
+                    if length < C:
+                        for i, d in T.Parallel(C, dv):
+                            if i >= length:
+                                wd_s[1, i, d] = T.cast(0, dtype)
+                        T.fence_proxy_async()
+                        T.sync_threads()
                     # dv = dW' = A_g^T dV';  dA = dV' W'^T (both GEMMs read dV', then dv is staged over it)
                     T.wgmma_gemm(a_s, wd_s[1, :, :], b1_f, transpose_A=True, clear_accum=True)
                     T.wgmma_gemm(wd_s[1, :, :], wd_s[0, :, :], s1_f, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(2)
+                    # dr = rowsum(r o V' o K dS') = rowsum(K o r o (V' dS'^T))
+                    for i, d in T.Parallel(C, dk):
+                        dk_f[i, d] = r_s[i] * dk_f[i, d]
+                        b2_f[i, d] = dk_f[i, d] * T.cast(k_s[i, d], acc)
+                    _row_partials(b2_f, dk // 16, part, pr_s, tx)
                     T.wait_wgmma(0)
                     T.copy(b1_f, wd_s[1, :, :])
                     T.fence_proxy_async()
@@ -358,7 +365,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     _row_partials(s2_f, C // 16, part, pb2_s, tx)
                     T.wgmma_gemm(p_s, k_s, dk_f)
                     T.wgmma_gemm(p_s, k_s, dk_f, transpose_A=True)
-                    # dP = dO V'^T;  dQK = scale Gamma o dP (a_s);  Y += dP o P_g (Q K^T recomputed);  dO S^T under them
+                    # dP = dO V'^T;  dQK = scale Gamma o dP (a_s);  Y += dP o P_g (fp32 Q K^T);  dO S^T under them
                     T.wgmma_gemm(do_s, vn_s, s1_f, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(q_s, k_s, s2_f, transpose_B=True, clear_accum=True)
                     T.wgmma_gemm(do_s, s_s, b1_f, transpose_B=True, clear_accum=True)
