@@ -77,6 +77,8 @@ def test_piece_tables(monkeypatch):
     assert pieces.final_fwd.tolist() == [int(x) for x in last]
     # the backward forms M for every piece but a sequence's only one
     assert pieces.final_bwd.tolist() == [int(p in seq_pieces[:-1] and last[p]) for p in range(len(last))]
+    # the backward's transition pass skips each sequence's first piece
+    assert pieces.first.tolist() == [int(p in seq_pieces[:-1]) for p in range(len(last))]
 
 
 @pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])

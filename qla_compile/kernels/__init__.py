@@ -140,6 +140,7 @@ class _Pieces(NamedTuple):
     seq_last: torch.Tensor  # [N] last piece of each sequence
     final_fwd: torch.Tensor  # [P] nonzero: the forward needs no transition of the piece (a sequence's last)
     final_bwd: torch.Tensor  # [P] the same for the backward (a sequence's only piece)
+    first: torch.Tensor  # [P] nonzero: a sequence's first piece (its backward transition is not needed)
 
 
 def _piece_tables(lens, chunks, device):
@@ -153,8 +154,9 @@ def _piece_tables(lens, chunks, device):
         order = sorted(range(len(last)), key=lambda p: offs[p] - offs[p + 1])  # stable: ties in piece order
         seq_last = [p - 1 for p in seq_pieces[1:]]
         firsts = set(seq_pieces[:-1])
-        only = [int(last[p] and p in firsts) for p in range(len(last))]
-        rows = [cu, offs, order, seq_pieces, seq_last, [int(x) for x in last], only]
+        first = [int(p in firsts) for p in range(len(last))]
+        only = [int(last[p] and first[p]) for p in range(len(last))]
+        rows = [cu, offs, order, seq_pieces, seq_last, [int(x) for x in last], only, first]
         flat = torch.tensor([x for row in rows for x in row], dtype=torch.int32).to(device)
         if len(_PIECE_TABLES) >= _CACHE_SIZE:
             _PIECE_TABLES.clear()

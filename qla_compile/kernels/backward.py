@@ -64,7 +64,8 @@ def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, order, dht, has_h0, scal
         skip, m = transitions
         passed = torch.empty(n_seq, h_v, dk, dv, **f32)
         fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=True, has_dht=False, block_dv=block_dv,
-                                   transition=True)(q3, k3, do3, tt, gb, cu, offsets, order, float(scale), passed)
+                                   transition=True)(q3, k3, do3, tt, gb, cu, offsets, order, skip, cp.first,
+                                                    float(scale), passed)
         entering = torch.empty_like(passed)
         cp_fwd.scan(dk=dk, dv=dv, has_h0=has_dht, reverse=True)(passed, m, skip, cp.seq_pieces, dht, entering)
         dht, has_dht = entering, True

@@ -26,7 +26,29 @@ import tilelang.language as T
 
 from ._build import compiled
 from .fused_fwd import _PTX, _exp, _gamma_times, _lg2
+from .cp_fwd import _WARMUP_LOG_DECAY
 from .gdr_fwd import CHUNK
+
+@T.macro
+def _transition_walk(gb, skip, first, piece, hv, coff, n_c, out):
+    """Chunks of a piece the transition mode walks: none for a sequence's first piece (the reverse scan does
+    not use what it passes back), all of them where the forward formed the piece's M (``skip < 0``), else the
+    leading chunks up to the first whose gate sum from the piece's start drops below -10: a contracting
+    piece's later chunks reach its start attenuated by less than e^-10 (the forward's warm-up bound).
+    Into ``out[0]``; one thread."""
+    walk = T.alloc_var("int32", init=n_c)
+    if first[piece] != 0:
+        walk = 0
+    else:
+        if skip[piece, hv] >= 0:
+            decay = T.alloc_var("float32", init=T.float32(0))
+            for c in T.serial(n_c):
+                if walk == n_c:
+                    decay = decay + gb[coff + c, hv, 0, CHUNK - 1]
+                    if decay < _WARMUP_LOG_DECAY:
+                        walk = c + 1
+    out[0] = walk
+
 
 # setmaxnreg per warpgroup (state, delta, prep, producer): sums to 512 = 65536 registers / 128.
 _NREG = (200, 128, 160, 24)
@@ -46,7 +68,9 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
 
     With ``transition`` (context parallelism, see ``backward``) it only returns, per piece, the state
     gradient the piece passes back from a zero one: ``kernel(q, k, do, tt, gb, cu_seqlens,
-    chunk_offsets, order, scale, dh0)`` (``has_h0`` and ``has_dht`` are ignored).
+    chunk_offsets, order, skip, first, scale, dh0)`` with the forward's skip table ``[P, H_v]`` and ``first``
+    ``[P]`` (nonzero: a sequence's first piece), walking only the chunks :func:`_transition_walk` says
+    (``has_h0`` and ``has_dht`` are ignored).
     """
     if transition:
         has_h0, has_dht = True, False
@@ -61,7 +85,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
     assert dv // BV <= 2, "sd has two DV-slice slots"
 
     @T.macro
-    def body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dht, scale, dh, dvp, dh0, sd):
+    def body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, skip, first, dht, scale, dh, dvp, dh0, sd):
         with T.Kernel(h_v, dv // BV, n_seq1 - 1, threads=512) as (hv, bv, rank):  # launch order as in the forward
             T.import_source(_PTX)
             # two-stage input ring, filled by TMA (dO's slot later holds dV', then dU0)
@@ -101,8 +125,16 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             bos = cu_seqlens[seq]
             seqlen = cu_seqlens[seq + 1] - bos
             coff = chunk_offsets[seq]
-            n_c = T.ceildiv(seqlen, C)
             tx = T.get_thread_binding()
+            if transition:
+                n_c = T.alloc_var("int32", init=T.ceildiv(seqlen, C))
+                walk_s = T.alloc_shared((1,), "int32")
+                if tx == 0:
+                    _transition_walk(gb, skip, first, seq, hv, coff, n_c, walk_s)
+                T.sync_threads()
+                n_c = walk_s[0]
+            else:
+                n_c = T.ceildiv(seqlen, C)
 
             if tx < 128:  # WG0: dS
                 T.set_max_nreg(_NREG[0], 1)
@@ -260,10 +292,13 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             cu_seqlens: T.Tensor((n_seq1,), "int32"),
             chunk_offsets: T.Tensor((n_seq1,), "int32"),
             order: T.Tensor((n_seq1 - 1,), "int32"),
+            skip: T.Tensor((n_seq1 - 1, h_v), "int32"),
+            first: T.Tensor((n_seq1 - 1,), "int32"),
             scale: T.float32,
             dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
         ):
-            body(q, k, do, tt, gb, None, cu_seqlens, chunk_offsets, order, None, scale, None, None, dh0, None)
+            body(q, k, do, tt, gb, None, cu_seqlens, chunk_offsets, order, skip, first, None, scale, None, None, dh0,
+                 None)
 
     else:
 
@@ -285,7 +320,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
             sd: T.Tensor((n_chunk, h_v, 2, dk), acc),
         ):
-            body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dht, scale, dh, dvp, dh0, sd)
+            body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, None, None, dht, scale, dh, dvp, dh0, sd)
 
     return kernel
 
