@@ -94,15 +94,16 @@ def warmup_plan(*, dtype: str, dk: int = 128):
     A piece skips its chunks before the last ones whose gate sum drops below -10, provided every per-token
     map ``I - beta k k^T`` of the piece is a contraction (``beta >= 0``, ``beta |k|^2 <= 2``), which the
     e^-10 bound on the dropped M needs; otherwise (or if the sum never drops that far) skip = -1: the
-    whole piece runs and M is formed. One CTA per (v-head, piece), two threads per token row.
+    whole piece runs and M is formed. One CTA per (v-head, piece), one thread per token row of four chunks
+    at a time; then the chunks' gate sums are loaded in parallel and walked from shared memory.
     """
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_p1 = T.dynamic("n_p1")
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
-    C, acc, half_k = CHUNK, "float32", dk // 2
-    threads = 4 * C  # two chunks of rows per step
+    C, acc = CHUNK, "float32"
+    threads = 4 * C  # four chunks of rows per step
 
     @T.prim_func
     def kernel(
@@ -114,47 +115,47 @@ def warmup_plan(*, dtype: str, dk: int = 128):
         skip: T.Tensor((n_p1 - 1, h_v), "int32"),
     ):
         with T.Kernel(h_v, n_p1 - 1, threads=threads) as (hv, p):
-            bad_s = T.alloc_shared((threads,), "int32")
-            k_l = T.alloc_local((half_k,), dtype)
+            bad_s = T.alloc_shared((1,), "int32")  # some token's map is not a contraction
+            gs_s = T.alloc_shared((threads,), acc)  # gate sums of the chunks, the last chunk first
+            k_l = T.alloc_local((dk,), dtype)
             tx = T.get_thread_binding()
             hk = T.alloc_var("int32", init=hv // (h_v // h_qk))
             c0 = chunk_offsets[p]
             n_c = chunk_offsets[p + 1] - c0
-            bad = T.alloc_var("int32", init=0)
+            first = T.alloc_var("int32", init=-1)  # first chunk of the shortest tail decaying below -10
+            if tx == 0:
+                bad_s[0] = 0
+            T.sync_threads()
             if final[p] == 0:
-                # thread tx: half tx % 2 of row tx // 2 of each pair of chunks
-                for step in T.serial(T.ceildiv(n_c, 2)):
-                    i = step * 2 * C + tx // 2  # row within the piece
+                for step in T.serial(T.ceildiv(n_c, 4)):
+                    i = step * threads + tx  # row within the piece
                     row = cu[p] + i
                     ss = T.alloc_var(acc, init=T.float32(0))
                     if (i < n_c * C) & (row < n_tok):
-                        for d8 in T.unroll(half_k // 8):
+                        for d8 in T.unroll(dk // 8):
                             for e in T.vectorized(8):
-                                k_l[d8 * 8 + e] = k[row, hk, (tx % 2) * half_k + d8 * 8 + e]
-                        for d in T.unroll(half_k):
+                                k_l[d8 * 8 + e] = k[row, hk, d8 * 8 + e]
+                        for d in T.unroll(dk):
                             ss = ss + T.cast(k_l[d], acc) * T.cast(k_l[d], acc)
-                    ss = ss + T.shfl_xor(ss, 1)
                     if i < n_c * C:  # rows past the sequence's end have beta = 0
                         b = gb[c0 + i // C, hv, 1, i % C]
                         if (b < 0) | (b * ss > 2):
-                            bad = 1
-            bad_s[tx] = bad
+                            bad_s[0] = 1
+                decay = T.alloc_var(acc, init=T.float32(0))
+                for blk in T.serial(T.ceildiv(n_c, threads)):
+                    r = blk * threads + tx
+                    gs_s[tx] = T.if_then_else(r < n_c, gb[c0 + T.max(n_c - 1 - r, 0), hv, 0, C - 1], T.float32(0))
+                    T.sync_threads()
+                    if tx == 0:
+                        for t in T.serial(T.min(n_c - blk * threads, threads)):
+                            if first < 0:
+                                decay = decay + gs_s[t]
+                                if decay < _WARMUP_LOG_DECAY:
+                                    first = n_c - 1 - (blk * threads + t)
+                    T.sync_threads()
             T.sync_threads()
             if tx == 0:
-                if final[p] != 0:
-                    skip[p, hv] = _NO_CHUNKS
-                else:
-                    any_bad = T.alloc_var("int32", init=0)
-                    for t in T.serial(threads):
-                        any_bad = any_bad | bad_s[t]
-                    first = T.alloc_var("int32", init=-1)  # first chunk of the shortest tail decaying below -10
-                    decay = T.alloc_var(acc, init=T.float32(0))
-                    for r in T.serial(n_c):
-                        if first < 0:
-                            decay = decay + gb[c0 + n_c - 1 - r, hv, 0, C - 1]
-                            if decay < _WARMUP_LOG_DECAY:
-                                first = n_c - 1 - r
-                    skip[p, hv] = T.if_then_else(any_bad == 0, first, -1)
+                skip[p, hv] = T.if_then_else(final[p] != 0, _NO_CHUNKS, T.if_then_else(bad_s[0] == 0, first, -1))
 
     return kernel
 

@@ -320,8 +320,8 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     T.wait_wgmma(0)
                     T.copy(b1_f, wd_s[1, :, :])
                     T.fence_proxy_async()
-                    if length == C:
-                        T.copy(wd_s[1, :, :], dv_out[start : start + C, hv, :])
+                    if length == C:  # waited for before the tile is next written
+                        T.tma_copy(wd_s[1, :, :], dv_out[start : start + C, hv, :])
                     else:
                         for i, d in T.Parallel(C, dv):
                             if i < length:
@@ -344,6 +344,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                         s2_f[i, j] = s2_f[i, j] * gb_s[1, j]
                     T.copy(s1_f, p_s)
                     T.fence_proxy_async()
+                    T.tma_store_wait(0)
                     T.sync_threads()  # every thread has read the fp16 T~ (tt16 is y_s's memory), dS', W' and dv
                     if g > 0:  # the group's running sums (cp.async), landing under the rest of this v-head
                         T.async_copy(acc_buf[chunk, hk, 0, :, :], pq32)
