@@ -7,8 +7,8 @@ Pipeline (one packed token stream, chunks numbered as in ``gdr_fwd``; notation i
 2. :func:`_chunk_states` -- every chunk-start state S in fp16 by the fused forward in its
    ``store_h`` mode, context-parallel under the forward's rule (the pieces' initial states and transitions
    from the forward's ``cp_cache`` when ``aux`` has it, else recomputed).
-3. ``fused_bwd.chunk_dstates_ws`` -- the reverse recurrence of dS, storing each chunk's incoming dS'
-   (input dtype), dh0 and the row sums of dS' o S that dg's gamma_C term needs; context-parallel over
+3. ``fused_bwd.chunk_dstates_ws`` -- the reverse recurrence of dS, storing each chunk's incoming dS' and
+   dV' (input dtype), dh0 and the row sums of dS' o S that dg's gamma_C term needs; context-parallel over
    the same pieces as step 2 (:func:`_chunk_dstates`).
 4. ``gdr_bwd.chunk_grads`` -- per (chunk, qk-head), all chunks in parallel, looping over the GVA
    group's v-heads: dv, dg and dbeta per v-head, dq and dk summed over the group on chip.
@@ -51,9 +51,10 @@ def _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, 
 
 def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, order, dht, has_h0, scale, dtype, cp, transitions):
     """``fused_bwd.chunk_dstates_ws``: ``(dh, dvp, dh0, sd)``. Over the context-parallel pieces ``cp`` (whose tables
-    ``cu, offsets, order`` then are, with the ``transitions`` of ``_chunk_states``), every piece first passes
-    back the state gradient of a zero one (the transition mode), a reverse scan (``cp_fwd.scan``) chains them
-    into the gradient entering each piece, and the pieces then run in parallel."""
+    ``cu, offsets, order`` then are, with the ``transitions`` of ``_chunk_states``), every piece but a sequence's
+    first passes back the state gradient of a zero one (the transition mode, over the leading chunks that reach
+    the piece's start undecayed), a reverse scan (``cp_fwd.scan``) chains them into the gradient entering each
+    piece, and the pieces then run in parallel."""
     n_slots, h_v, dk, dv = tt.shape[0], do3.shape[1], q3.shape[2], do3.shape[2]
     f32 = dict(device=q3.device, dtype=torch.float32)
     has_dht = dht is not None
