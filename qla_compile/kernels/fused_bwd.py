@@ -25,9 +25,10 @@ GEMM operands are in the input dtype (they carry gradients); accumulators and ga
 import tilelang.language as T
 
 from ._build import compiled
-from .fused_fwd import _PTX, _exp, _gamma_times, _lg2
 from .cp_fwd import _WARMUP_LOG_DECAY
+from .fused_fwd import _PTX, _exp, _gamma_times, _lg2
 from .gdr_fwd import CHUNK
+
 
 @T.macro
 def _transition_walk(gb, skip, first, piece, hv, coff, n_c, out):
