@@ -89,3 +89,28 @@ def test_context_parallel_argument_is_checked(bad):
         _check_context_parallel(bad)
     for good in (None, False, 1, 16):
         _check_context_parallel(good)
+
+
+def test_walk_starts_list_schedule():
+    from qla_compile.kernels.backward import _walk_starts
+
+    assert _walk_starts([5, 3, 9], 4, 12) == [0, 0, 0]  # one wave
+    # 4 SMs, 2 CTAs per walk, longest first: walks 1 and 3 start at once, walk 0 when walk 3's CTAs free their
+    # SMs (2 chunks + 1 step), walk 2 when walk 0's do
+    assert _walk_starts([2, 6, 1, 3], 2, 4) == [4, 0, 7, 0]
+
+
+@pytest.mark.parametrize("n_c,ctas,n_sm", [([3, 1, 2], 1, 8), ([7, 0, 4, 4, 9], 16, 32), ([1] * 40, 4, 132)])
+def test_publish_order(n_c, ctas, n_sm):
+    from qla_compile.kernels.backward import _publish_order, _walk_starts
+
+    order = _publish_order(n_c, ctas, n_sm).tolist()
+    assert sorted(order) == list(range(sum(n_c)))
+    start, first = _walk_starts(n_c, ctas, n_sm), [sum(n_c[:w]) for w in range(len(n_c))]
+    walk_of = [w for w in range(len(n_c)) for _ in range(n_c[w])]
+    published = [start[walk_of[s]] + first[walk_of[s]] + n_c[walk_of[s]] - s for s in order]
+    assert published == sorted(published)  # by when the reverse recurrence publishes them
+    for w in range(len(n_c)):  # each walk's chunks last to first
+        mine = [s for s in order if walk_of[s] == w]
+        assert mine == sorted(mine, reverse=True)
+    assert _publish_order([3, 1, 2], 1, 8).tolist() == [2, 3, 5, 1, 4, 0]  # ties in slot order

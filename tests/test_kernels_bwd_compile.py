@@ -35,3 +35,11 @@ def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
     assert "wgmma" in source  # the GEMMs went to Hopper's warpgroup MMA
     if name != "chunk_grads":  # the warp-specialised kernels stream their inputs by TMA and store by TMA
         assert "tma_load" in source and "tma_store" in source
+    # chunk_grads runs as a programmatic dependent launch of the reverse recurrence, beside it: the recurrence
+    # lets it launch and publishes chunks, chunk_grads waits for each and its spare slots for the whole grid
+    if name == "chunk_dstates_ws":
+        assert "cudaTriggerProgrammaticLaunchCompletion" in source and "qla_ready_signal(" in source
+    if name == "chunk_grads":
+        assert "qla_ready_wait(" in source and "cudaGridDependencySynchronize" in source
+        func = next(iter(kernel.adapter.device_mod.functions.values()))
+        assert "has_cuda_pdl_sync" in func.attrs  # so the launch asks for programmatic stream serialization

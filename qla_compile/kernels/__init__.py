@@ -112,15 +112,16 @@ _PIECE_TABLES: dict = {}
 _CACHE_SIZE = 64
 
 
-def _host_lengths(cu_seqlens, batch, seqlen):
+def _host_lengths(cu_seqlens, batch, seqlen, read=True):
     """Sequence lengths as a Python list, or None when reading them would break CUDA-graph capture
-    (a ``cu_seqlens`` seen before outside capture is answered from the cache)."""
+    (a ``cu_seqlens`` seen before outside capture is answered from the cache) or, with ``read=False``,
+    would synchronise at all."""
     if cu_seqlens is None:
         return [seqlen] * batch
     hit = _LENGTHS.get(id(cu_seqlens))
     if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
         return hit[2]
-    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+    if not read or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     bounds = cu_seqlens.tolist()
     lens = [b - a for a, b in zip(bounds, bounds[1:])]
@@ -131,7 +132,8 @@ def _host_lengths(cu_seqlens, batch, seqlen):
 
 
 class _Pieces(NamedTuple):
-    """Device int32 tables of a context-parallel plan (``cp_fwd.pieces``), views of one tensor."""
+    """Device int32 tables of a context-parallel plan (``cp_fwd.pieces``), views of one tensor, and its piece
+    length."""
 
     cu: torch.Tensor  # [P+1] token bounds of the pieces
     offsets: torch.Tensor  # [P+1] first chunk slot of each piece
@@ -141,6 +143,7 @@ class _Pieces(NamedTuple):
     final_fwd: torch.Tensor  # [P] nonzero: the forward needs no transition of the piece (a sequence's last)
     final_bwd: torch.Tensor  # [P] the same for the backward (a sequence's only piece)
     first: torch.Tensor  # [P] nonzero: a sequence's first piece (its backward transition is not needed)
+    chunks: int  # the piece length in 64-token chunks
 
 
 def _piece_tables(lens, chunks, device):
@@ -160,7 +163,7 @@ def _piece_tables(lens, chunks, device):
         flat = torch.tensor([x for row in rows for x in row], dtype=torch.int32).to(device)
         if len(_PIECE_TABLES) >= _CACHE_SIZE:
             _PIECE_TABLES.clear()
-        _PIECE_TABLES[key] = _Pieces(*flat.split([len(row) for row in rows]))
+        _PIECE_TABLES[key] = _Pieces(*flat.split([len(row) for row in rows]), chunks)
     return _PIECE_TABLES[key]
 
 

@@ -14,11 +14,13 @@ Pipeline (one packed token stream, chunks numbered as in ``gdr_fwd``; notation i
    group's v-heads: dv, dg and dbeta per v-head, dq and dk summed over the group on chip.
 """
 
+import heapq
+
 import torch
 
 from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _chunk_tables, _cp_cache_views, _cp_plan,
-               _gate_inverse, _n_slots, _piece_initial_states, _state_arg, _tables, cp_fwd, fused_bwd, fused_fwd,
-               gdr_bwd, gdr_fwd)
+               _gate_inverse, _host_lengths, _n_slots, _piece_initial_states, _state_arg, _tables, cp_fwd, fused_bwd,
+               fused_fwd, gdr_bwd, gdr_fwd)
 
 CHUNK = gdr_fwd.CHUNK
 
@@ -49,13 +51,74 @@ def _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, 
     return h, transitions
 
 
-def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, order, dht, has_h0, scale, dtype, cp, transitions):
-    """``fused_bwd.chunk_dstates_ws``: ``(dh, dvp, dh0, sd)``. Over the context-parallel pieces ``cp`` (whose tables
-    ``cu, offsets, order`` then are, with the ``transitions`` of ``_chunk_states``), every piece but a sequence's
+# chunk_grads' launch orders, per (device, lengths, piece length, V-heads, DV slices, SMs)
+_ORDERS: dict = {}
+_ORDERS_SIZE = 64
+# list-scheduling the reverse recurrence's grid is skipped past this many CTAs (its walks then count as
+# starting together)
+_SCHEDULED_CTAS = 8192
+
+
+def _walk_starts(n_c, ctas_per_walk, n_sm):
+    """When each walk of ``n_c`` chunks starts in ``chunk_dstates_ws`` (in chunk steps): its CTAs are
+    dispatched longest walk first, one per SM, each busy for its chunks plus one step."""
+    if len(n_c) * ctas_per_walk <= n_sm or len(n_c) * ctas_per_walk > _SCHEDULED_CTAS:
+        return [0] * len(n_c)
+    free, start = [0] * n_sm, [0] * len(n_c)
+    for w in sorted(range(len(n_c)), key=lambda w: -n_c[w]):
+        for _ in range(ctas_per_walk):
+            t = heapq.heappop(free)
+            start[w] = max(start[w], t)
+            heapq.heappush(free, t + n_c[w] + 1)
+    return start
+
+
+def _publish_order(n_c, ctas_per_walk, n_sm):
+    """Chunk slots (int64, on the host) in the order the reverse recurrence publishes them: walk ``w`` (its
+    chunks in slots ``sum(n_c[:w])`` on) publishes them last to first, one per step, from when its CTAs start
+    (:func:`_walk_starts`); ties in slot order."""
+    n_c_t = torch.tensor(n_c, dtype=torch.int64)
+    walk = torch.repeat_interleave(torch.arange(len(n_c)), n_c_t)
+    ends = n_c_t.cumsum(0)
+    published = torch.tensor(_walk_starts(n_c, ctas_per_walk, n_sm))[walk] + ends[walk] - torch.arange(walk.numel())
+    return torch.argsort(published, stable=True)
+
+
+def _grads_order(lens, chunks, h_v, n_bv, device):
+    """``chunk_grads``' chunk slots (int32, on the device) in :func:`_publish_order` for the walks of the reverse
+    recurrence: the sequences of ``lens`` tokens, or their pieces of ``chunks`` chunks, each with ``h_v * n_bv``
+    CTAs. Built once per plan; ``lens`` None (unknown without a synchronisation) gives the placeholder ``[-1]``:
+    all slots last to first."""
+    if lens is None:
+        return torch.full((1,), -1, device=device, dtype=torch.int32)
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+    key = (str(device), tuple(lens), chunks, h_v, n_bv, n_sm)
+    if key not in _ORDERS:
+        if chunks is None:
+            n_c = [-(-n // CHUNK) for n in lens]
+        else:
+            offs = cp_fwd.pieces(lens, chunks)[1]
+            n_c = [b - a for a, b in zip(offs, offs[1:])]
+        if len(_ORDERS) >= _ORDERS_SIZE:
+            _ORDERS.clear()
+        _ORDERS[key] = _publish_order(n_c, h_v * n_bv, n_sm).to(torch.int32).to(device)
+    return _ORDERS[key]
+
+
+def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scale, dtype, cp, transitions,
+                       lens):
+    """The reverse recurrence (``fused_bwd.chunk_dstates_ws``) and, launched as its programmatic dependent so
+    that it fills the SMs the recurrence leaves idle, ``gdr_bwd.chunk_grads``: ``(dq, dk, dv, dg, dbeta, dh0)``
+    in the kernels' layouts. The recurrence walks ``walk`` (the tables of the context-parallel pieces ``cp``,
+    with the ``transitions`` of ``_chunk_states``, or of the sequences ``seqs``): every piece but a sequence's
     first passes back the state gradient of a zero one (the transition mode, over the leading chunks that reach
     the piece's start undecayed), a reverse scan (``cp_fwd.scan``) chains them into the gradient entering each
-    piece, and the pieces then run in parallel."""
+    piece, and the pieces then run in parallel. It publishes each chunk per qk-head in ``ready`` once its
+    dS', dV' and sd rows are written for every v-head and DV slice; chunk_grads takes the chunks in the order
+    of :func:`_grads_order` (``lens``: the sequence lengths, or None) and waits for each."""
+    cu, offsets, order = walk
     n_slots, h_v, dk, dv = tt.shape[0], do3.shape[1], q3.shape[2], do3.shape[2]
+    h_qk = q3.shape[1]
     f32 = dict(device=q3.device, dtype=torch.float32)
     has_dht = dht is not None
     dht = _state_arg(dht, h_v, dk, dv, q3.device)
@@ -74,11 +137,25 @@ def _chunk_dstates(q3, k3, do3, tt, gb, h, cu, offsets, order, dht, has_h0, scal
     dvp = torch.empty(n_slots, h_v, CHUNK, dv, device=q3.device, dtype=q3.dtype)
     dh0 = torch.empty(n_seq, h_v, dk, dv, **f32)
     sd = (torch.empty if block_dv < dv else torch.zeros)(n_slots, h_v, 2, dk, **f32)
+    ready = torch.zeros(n_slots, h_qk, device=q3.device, dtype=torch.int32)
+    slot_order = _grads_order(lens, None if cp is None else cp.chunks, h_v, dv // block_dv, q3.device)
+    # dq, dk summed over each GVA group in the kernel (fp32 through the scratch when G > 1) and written in the
+    # input dtype; every row of every output is written (the spare chunk slots zero the rows past cu_seqlens[-1]).
+    # Allocated before the recurrence starts: chunk_grads runs beside it, so nothing the recurrence reads may be
+    # freed for them (every input here stays referenced until both are launched).
+    n_tok = q3.shape[0]
+    acc = torch.empty(n_slots if h_v > h_qk else 1, h_qk, 2, CHUNK, dk, **f32)
+    dq, dkh, dvo = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
+    dg = torch.empty(h_v, n_tok, **f32)
+    db = torch.empty(h_v, n_tok, **f32)
     fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
-        q3, k3, do3, tt, gb, h, cu, offsets, order, dht, float(scale), dh, dvp, dh0, sd)
+        q3, k3, do3, tt, gb, h, cu, offsets, order, dht, float(scale), dh, dvp, dh0, sd, ready)
+    gdr_bwd.chunk_grads(dk=dk, dv=dv, dtype=dtype)(
+        q3, k3, v3, do3, tt, gb, h, dh, dvp, sd, ready, (h_v // h_qk) * (dv // block_dv), seqs[0], seqs[1],
+        slot_order, float(scale), acc, dq, dkh, dvo, dg, db)
     if cp is not None and has_h0:  # each sequence's dh0 is its first piece's
         dh0 = dh0.index_select(0, cp.seq_pieces[:-1])
-    return dh, dvp, dh0, sd
+    return dq, dkh, dvo, dg, db, dh0
 
 
 def _check_aux(aux, n_slots, h_v, device):
@@ -144,19 +221,9 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     walk = (cu, offsets, order) if cp is None else (cp.cu, cp.offsets, cp.order)
     h, transitions = _chunk_states(q3, k3, v3, tt, gb, *walk, initial_state, dtype, cp, cp_cache)
     has_h0 = initial_state is not None
-    dh, dvp, dh0, sd = _chunk_dstates(q3, k3, do3, tt, gb, h, *walk, dht, has_h0, scale, dtype, cp, transitions)
-
-    f32 = dict(device=dev, dtype=torch.float32)
-
-    # dq, dk summed over each GVA group in the kernel (fp32 through the scratch when G > 1) and written in the
-    # input dtype; every row of every output is written (the spare chunk slots zero the rows past cu_seqlens[-1])
-    acc = torch.empty(tt.shape[0] if h_v > h_qk else 1, h_qk, 2, CHUNK, dk, **f32)
-    dq, dkh = torch.empty_like(q3), torch.empty_like(k3)
-    dvo = torch.empty_like(v3)
-    dg = torch.empty(h_v, n_tok, **f32)
-    db = torch.empty(h_v, n_tok, **f32)
-    gdr_bwd.chunk_grads(dk=dk, dv=dv, dtype=dtype)(q3, k3, v3, do3, tt, gb, h, dh, dvp, sd, cu, offsets,
-                                                   float(scale), acc, dq, dkh, dvo, dg, db)
+    lens = _host_lengths(cu_seqlens, B, T_, read=False)
+    dq, dkh, dvo, dg, db, dh0 = _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, (cu, offsets), dht, has_h0,
+                                                   scale, dtype, cp, transitions, lens)
     dq = dq.view(B, T_, h_qk, dk)
     dkh = dkh.view(B, T_, h_qk, dk)
     dg = dg.t().to(g.dtype).reshape(B, T_, h_v)

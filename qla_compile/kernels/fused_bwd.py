@@ -51,6 +51,36 @@ def _transition_walk(gb, skip, first, piece, hv, coff, n_c, out):
     out[0] = walk
 
 
+# Chunk readiness for ``gdr_bwd.chunk_grads``, which is launched as a programmatic dependent of this kernel and
+# runs beside it: a warp publishes a chunk once the bulk stores it waited for are complete and the other writers
+# have arrived on an mbarrier (lane 0 releases at GPU scope after a warp barrier; the async-proxy fence orders
+# the TMA writes before it); the reader spins on an acquiring load, then fences before its TMA loads.
+_READY = r"""
+__device__ __forceinline__ void qla_ready_signal(int* p) {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(p) : "memory");
+}
+__device__ __forceinline__ void qla_ready_wait(const int* p, int target) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  while (v < target) {
+    __nanosleep(128);
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+"""
+
+
+@T.macro
+def _signal(done, c, ready, slot, hk):
+    """Publish chunk ``c`` (slot ``slot``) of this CTA: wait for its ``done`` phase, then count it in
+    ``ready[slot, hk]`` (one warp; its bulk stores of the chunk already waited for)."""
+    T.barrier_wait(done[c % 2], (c // 2) % 2)
+    T.call_extern("void", "qla_ready_signal", T.address_of(ready[slot, hk]))
+
+
 # setmaxnreg per warpgroup (state, delta, prep, producer): sums to 512 = 65536 registers / 128.
 _NREG = (200, 128, 160, 24)
 
@@ -86,9 +116,11 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
     assert dv // BV <= 2, "sd has two DV-slice slots"
 
     @T.macro
-    def body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, skip, first, dht, scale, dh, dvp, dh0, sd):
+    def body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, skip, first, dht, scale, dh, dvp, dh0, sd, ready):
         with T.Kernel(h_v, dv // BV, n_seq1 - 1, threads=512) as (hv, bv, rank):  # launch order as in the forward
-            T.import_source(_PTX)
+            T.import_source(_PTX + _READY)
+            if not transition:  # chunk_grads may start on the SMs this grid leaves free
+                T.pdl_trigger()
             # two-stage input ring, filled by TMA (dO's slot later holds dV', then dU0)
             q_s = T.alloc_shared((2, C, dk), dtype)
             k_s = T.alloc_shared((2, C, dk), dtype)
@@ -119,6 +151,8 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             du_ready = T.alloc_barrier(128)  # WG1 wrote dU0
             if not transition:
                 dvp_read = T.alloc_barrier(128)  # WG1's dV' store has read its tile
+                # a chunk's sd rows (WG0) and dV' (the storing warp of WG1, once complete) are written
+                done = T.alloc_barrier([160, 160])
 
             seq = T.alloc_var("int32", init=order[rank])
             hk = hv // (h_v // h_qk)
@@ -164,6 +198,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                         T.barrier_arrive(h_empty)
                         T.reduce_sum(sq_f, sd_f, dim=1)
                         T.copy(sd_f, sd[coff + ci, hv, bv, :])
+                        T.barrier_arrive(done[j % 2])
                     T.barrier_wait(full[st], (j // 2) % 2)
                     decay = _exp(gb_s[st, 0, C - 1])
                     for a, b in T.Parallel(dk, BV):
@@ -200,6 +235,9 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                     T.copy(u_f, do_s[st, :, :])
                     T.fence_proxy_async()
                     if not transition:  # dV' for chunk_grads, stored under the GEMM
+                        if tx < 160 and j > 0:  # the storing warp: the previous chunk's store is complete
+                            T.tma_store_wait(0, read=False)
+                            T.barrier_arrive(done[(j - 1) % 2])
                         T.tma_copy(do_s[st, :, :], dvp[coff + n_c - 1 - j, hv, :, v0 : v0 + BV])
                     T.barrier_wait(a_ready, j % 2)
                     T.gemm(a_s, do_s[st, :, :], u_f, transpose_A=True, clear_accum=True)
@@ -214,6 +252,9 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                     T.fence_proxy_async()
                     T.barrier_arrive(du_ready)
                     T.barrier_arrive(empty[st])
+                if not transition and tx < 160 and n_c > 0:
+                    T.tma_store_wait(0, read=False)
+                    T.barrier_arrive(done[(n_c - 1) % 2])
 
             elif tx < 384:  # WG2: P_g, A_g, W; the dh stores
                 T.set_max_nreg(_NREG[2], 1)
@@ -255,6 +296,14 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                         T.copy(ds_s, dh[coff + ci, hv, :, v0 : v0 + BV])
                     T.barrier_arrive(ds_free)
                     T.barrier_arrive(empty[st])
+                    # the warp storing dh publishes chunks two behind (their writers are long done)
+                    if not transition and tx < 288 and j >= 2:
+                        T.tma_store_wait(2, read=False)
+                        _signal(done, j - 2, ready, coff + ci + 2, hk)
+                if not transition and tx < 288:
+                    T.tma_store_wait(0, read=False)
+                    for c in T.serial(T.max(n_c - 2, 0), n_c):
+                        _signal(done, c, ready, coff + n_c - 1 - c, hk)
 
             else:  # WG3: producer warps
                 T.set_max_nreg(_NREG[3], 0)
@@ -299,7 +348,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
         ):
             body(q, k, do, tt, gb, None, cu_seqlens, chunk_offsets, order, skip, first, None, scale, None, None, dh0,
-                 None)
+                 None, None)
 
     else:
 
@@ -320,8 +369,10 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             dvp: T.Tensor((n_chunk, h_v, C, dv), dtype),
             dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
             sd: T.Tensor((n_chunk, h_v, 2, dk), acc),
+            ready: T.Tensor((n_chunk, h_qk), "int32"),
         ):
-            body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, None, None, dht, scale, dh, dvp, dh0, sd)
+            body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, None, None, dht, scale, dh, dvp, dh0, sd,
+                 ready)
 
     return kernel
 

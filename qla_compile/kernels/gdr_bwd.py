@@ -27,6 +27,7 @@ import tilelang.language as T
 
 from . import _DTYPES, gdr_fwd
 from ._build import compiled
+from .fused_bwd import _READY
 from .fused_fwd import _PTX, _ex2, _exp
 
 CHUNK = gdr_fwd.CHUNK
@@ -141,6 +142,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
     n_acc = T.dynamic("n_acc")
+    n_order = T.dynamic("n_order")
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
     C = CHUNK
@@ -160,8 +162,11 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
         dh: T.Tensor((n_chunk, h_v, dk, dv), dtype),
         dvp: T.Tensor((n_chunk, h_v, C, dv), dtype),
         sd: T.Tensor((n_chunk, h_v, 2, dk), acc),
+        ready: T.Tensor((n_chunk, h_qk), "int32"),
+        target: T.int32,
         cu_seqlens: T.Tensor((n_seq1,), "int32"),
         chunk_offsets: T.Tensor((n_seq1,), "int32"),
+        slot_order: T.Tensor((n_order,), "int32"),
         scale: T.float32,
         acc_buf: T.Tensor((n_acc, h_qk, 2, C, dk), acc),
         dq_out: T.Tensor((n_tok, h_qk, dk), dtype),
@@ -170,8 +175,8 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
         dg_out: T.Tensor((h_v, n_tok), acc),
         db_out: T.Tensor((h_v, n_tok), acc),
     ):
-        with T.Kernel(n_chunk + 1, h_qk, threads=threads) as (chunk, hk):
-            T.import_source(_PTX + _RED)
+        with T.Kernel(h_qk, n_chunk + 1, threads=threads) as (hk, rank):  # qk-heads fastest, chunks in rank order
+            T.import_source(_PTX + _RED + _READY)
             q_s = T.alloc_shared((C, dk), dtype)
             k_s = T.alloc_shared((C, dk), dtype)
             v_s = T.alloc_shared((C, dv), dtype)  # V, then e o U0, then dU0
@@ -216,6 +221,12 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
             tx = T.get_thread_binding()
             n_seq = n_seq1 - 1
             n_real = chunk_offsets[n_seq]
+            chunk = T.alloc_var("int32", init=rank)
+            if rank < n_real:
+                if slot_order[0] < 0:
+                    chunk = n_real - 1 - rank
+                else:
+                    chunk = slot_order[rank]
             if chunk < n_real:
                 # the owning sequence: the largest s with chunk_offsets[s] <= chunk
                 seq = T.alloc_var("int32", init=0)
@@ -239,12 +250,17 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                         T.tma_copy(k[start : start + C, hk, :], k_s, barrier=bar)
                     T.tma_copy(v[start : start + C, hv, :], v_s, barrier=bar)
                     T.tma_copy(do[start : start + C, hv, :], do_s, barrier=bar)
-                    T.tma_copy(dh[chunk, hv, :, :], ds_s, barrier=bar)
                     T.tma_copy(tt[chunk, hv, :, :], tt16[0, :, :], barrier=bar)
                     T.tma_copy(gb[chunk, hv, :, :], gb_s, barrier=bar)
-                    T.tma_copy(sd[chunk, hv, :, :], sd_s, barrier=bar)
                     if dtype == half:
                         T.tma_copy(h[chunk, hv, :, :], s_s, barrier=bar)
+                    # what the reverse recurrence writes, once it has published the chunk for every v-head of the
+                    # group (the loading warp waits)
+                    if g == 0 and tx < 32:
+                        T.call_extern("void", "qla_ready_wait", T.address_of(ready[chunk, hk]), target)
+                    T.tma_copy(dh[chunk, hv, :, :], ds_s, barrier=bar)
+                    T.tma_copy(sd[chunk, hv, :, :], sd_s, barrier=bar)
+                    if dtype == half:
                         T.tma_copy(dvp[chunk, hv, :, :], wd_s[1, :, :], barrier=bar_dvp)
                         T.barrier_arrive(bar_dvp)
                     T.barrier_arrive(bar)
@@ -466,7 +482,10 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                     T.fence_proxy_async()
                     T.sync_threads()
             else:
-                # a spare slot: the rows past cu_seqlens[-1] (padding), 64 per tile, spread over the spare slots
+                # a spare slot: the rows past cu_seqlens[-1] (padding), 64 per tile, spread over the spare slots.
+                # The spare slots run last and wait for the reverse recurrence to finish, so that this grid completes
+                # after it.
+                T.pdl_sync()
                 tail = n_tok - cu_seqlens[n_seq]
                 n_spare = n_chunk + 1 - n_real
                 u = chunk - n_real
