@@ -77,7 +77,7 @@ __device__ __forceinline__ void qla_ready_wait(const int* p, int target) {
 def _signal(done, c, ready, slot, hk):
     """Publish chunk ``c`` (slot ``slot``) of this CTA: wait for its ``done`` phase, then count it in
     ``ready[slot, hk]`` (one warp; its bulk stores of the chunk already waited for)."""
-    T.barrier_wait(done[c % 2], (c // 2) % 2)
+    T.barrier_wait(done[c % 4], (c // 4) % 2)
     T.call_extern("void", "qla_ready_signal", T.address_of(ready[slot, hk]))
 
 
@@ -151,8 +151,10 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             du_ready = T.alloc_barrier(128)  # WG1 wrote dU0
             if not transition:
                 dvp_read = T.alloc_barrier(128)  # WG1's dV' store has read its tile
-                # a chunk's sd rows (WG0) and dV' (the storing warp of WG1, once complete) are written
-                done = T.alloc_barrier([160, 160])
+                # a chunk's sd rows (WG0) and dV' (the storing warp of WG1, once complete) are written. Four, as WG2
+                # waits two chunks behind and WG1 counts the last chunk without waiting for WG2: with two, that
+                # chunk's phase could complete before WG2 waits for the one two before it on the same barrier.
+                done = T.alloc_barrier([160] * 4)
 
             seq = T.alloc_var("int32", init=order[rank])
             hk = hv // (h_v // h_qk)
@@ -198,7 +200,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                         T.barrier_arrive(h_empty)
                         T.reduce_sum(sq_f, sd_f, dim=1)
                         T.copy(sd_f, sd[coff + ci, hv, bv, :])
-                        T.barrier_arrive(done[j % 2])
+                        T.barrier_arrive(done[j % 4])
                     T.barrier_wait(full[st], (j // 2) % 2)
                     decay = _exp(gb_s[st, 0, C - 1])
                     for a, b in T.Parallel(dk, BV):
@@ -237,7 +239,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                     if not transition:  # dV' for chunk_grads, stored under the GEMM
                         if tx < 160 and j > 0:  # the storing warp: the previous chunk's store is complete
                             T.tma_store_wait(0, read=False)
-                            T.barrier_arrive(done[(j - 1) % 2])
+                            T.barrier_arrive(done[(j - 1) % 4])
                         T.tma_copy(do_s[st, :, :], dvp[coff + n_c - 1 - j, hv, :, v0 : v0 + BV])
                     T.barrier_wait(a_ready, j % 2)
                     T.gemm(a_s, do_s[st, :, :], u_f, transpose_A=True, clear_accum=True)
@@ -254,7 +256,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                     T.barrier_arrive(empty[st])
                 if not transition and tx < 160 and n_c > 0:
                     T.tma_store_wait(0, read=False)
-                    T.barrier_arrive(done[(n_c - 1) % 2])
+                    T.barrier_arrive(done[(n_c - 1) % 4])
 
             elif tx < 384:  # WG2: P_g, A_g, W; the dh stores
                 T.set_max_nreg(_NREG[2], 1)
