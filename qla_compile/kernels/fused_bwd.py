@@ -52,14 +52,15 @@ def _transition_walk(gb, skip, first, piece, hv, coff, n_c, out):
 
 
 # Chunk readiness for ``gdr_bwd.chunk_grads``, which is launched as a programmatic dependent of this kernel and
-# runs beside it: a warp publishes a chunk once the bulk stores it waited for are complete and the other writers
-# have arrived on an mbarrier (lane 0 releases at GPU scope after a warp barrier; the async-proxy fence orders
-# the TMA writes before it); the reader spins on an acquiring load, then fences before its TMA loads.
+# runs beside it: every writer of a chunk arrives on an mbarrier once its writes are complete (a TMA store's
+# issuing warp after waiting for it and an async-proxy fence), and an otherwise idle warp then publishes the
+# chunk (lane 0 releases at GPU scope after a warp barrier); the reader spins on an acquiring load, then fences
+# before its TMA loads.
 _READY = r"""
-__device__ __forceinline__ void qla_ready_signal(int* p) {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
+__device__ __forceinline__ void qla_fence_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+__device__ __forceinline__ void qla_ready_signal(int* counters, int i) {
   __syncwarp();
-  if ((threadIdx.x & 31) == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(p) : "memory");
+  if ((threadIdx.x & 31) == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(counters + i) : "memory");
 }
 __device__ __forceinline__ void qla_ready_wait(const int* p, int target) {
   int v;
@@ -74,11 +75,12 @@ __device__ __forceinline__ void qla_ready_wait(const int* p, int target) {
 
 
 @T.macro
-def _signal(done, c, ready, slot, hk):
+def _signal(done, c, ready, slot, hk, h_qk):
     """Publish chunk ``c`` (slot ``slot``) of this CTA: wait for its ``done`` phase, then count it in
-    ``ready[slot, hk]`` (one warp; its bulk stores of the chunk already waited for)."""
+    ``ready[slot, hk]`` (one warp; the address formed in the helper, which keeps the producer warp's few
+    registers)."""
     T.barrier_wait(done[c % 4], (c // 4) % 2)
-    T.call_extern("void", "qla_ready_signal", T.address_of(ready[slot, hk]))
+    T.call_extern("void", "qla_ready_signal", T.address_of(ready[0, 0]), slot * h_qk + hk)
 
 
 # setmaxnreg per warpgroup (state, delta, prep, producer): sums to 512 = 65536 registers / 128.
@@ -151,13 +153,14 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             du_ready = T.alloc_barrier(128)  # WG1 wrote dU0
             if not transition:
                 dvp_read = T.alloc_barrier(128)  # WG1's dV' store has read its tile
-                # a chunk's sd rows (WG0) and dV' (the storing warp of WG1, once complete) are written. Four, as WG2
-                # waits two chunks behind and WG1 counts the last chunk without waiting for WG2: with two, that
-                # chunk's phase could complete before WG2 waits for the one two before it on the same barrier.
-                done = T.alloc_barrier([160] * 4)
+                # a chunk's sd rows (WG0), dV' and dS' (the storing warps of WG1 and WG2, once complete) are written.
+                # The h-loading warp waits two chunks behind: with two barriers instead of four, the last chunk's
+                # phase (its writers do not wait for the next chunk) could complete before that wait for the
+                # chunk two before it on the same barrier, which then never returns.
+                done = T.alloc_barrier([192] * 4)
 
             seq = T.alloc_var("int32", init=order[rank])
-            hk = hv // (h_v // h_qk)
+            hk = T.alloc_var("int32", init=hv // (h_v // h_qk))
             v0 = bv * BV
             bos = cu_seqlens[seq]
             seqlen = cu_seqlens[seq + 1] - bos
@@ -239,6 +242,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                     if not transition:  # dV' for chunk_grads, stored under the GEMM
                         if tx < 160 and j > 0:  # the storing warp: the previous chunk's store is complete
                             T.tma_store_wait(0, read=False)
+                            T.call_extern("void", "qla_fence_async_global")
                             T.barrier_arrive(done[(j - 1) % 4])
                         T.tma_copy(do_s[st, :, :], dvp[coff + n_c - 1 - j, hv, :, v0 : v0 + BV])
                     T.barrier_wait(a_ready, j % 2)
@@ -256,6 +260,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                     T.barrier_arrive(empty[st])
                 if not transition and tx < 160 and n_c > 0:
                     T.tma_store_wait(0, read=False)
+                    T.call_extern("void", "qla_fence_async_global")
                     T.barrier_arrive(done[(n_c - 1) % 4])
 
             elif tx < 384:  # WG2: P_g, A_g, W; the dh stores
@@ -298,14 +303,14 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                         T.copy(ds_s, dh[coff + ci, hv, :, v0 : v0 + BV])
                     T.barrier_arrive(ds_free)
                     T.barrier_arrive(empty[st])
-                    # the warp storing dh publishes chunks two behind (their writers are long done)
-                    if not transition and tx < 288 and j >= 2:
-                        T.tma_store_wait(2, read=False)
-                        _signal(done, j - 2, ready, coff + ci + 2, hk)
-                if not transition and tx < 288:
+                    if not transition and tx < 288 and j > 0:  # the storing warp: the previous chunk's dh is complete
+                        T.tma_store_wait(1, read=False)
+                        T.call_extern("void", "qla_fence_async_global")
+                        T.barrier_arrive(done[(j - 1) % 4])
+                if not transition and tx < 288 and n_c > 0:
                     T.tma_store_wait(0, read=False)
-                    for c in T.serial(T.max(n_c - 2, 0), n_c):
-                        _signal(done, c, ready, coff + n_c - 1 - c, hk)
+                    T.call_extern("void", "qla_fence_async_global")
+                    T.barrier_arrive(done[(n_c - 1) % 4])
 
             else:  # WG3: producer warps
                 T.set_max_nreg(_NREG[3], 0)
@@ -331,6 +336,11 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                         T.barrier_wait(h_empty, (j + 1) % 2)
                         T.tma_copy(h[coff + ci, hv, :, v0 : v0 + BV], h_s, barrier=h_full)
                         T.barrier_arrive(h_full)
+                        if j >= 2:  # publishes chunks two behind (their writers are long done)
+                            _signal(done, j - 2, ready, coff + ci + 2, hk, h_qk)
+                if not transition and tx >= 480:
+                    for c in T.serial(T.max(n_c - 2, 0), n_c):
+                        _signal(done, c, ready, coff + n_c - 1 - c, hk, h_qk)
 
     if transition:
 

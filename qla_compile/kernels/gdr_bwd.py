@@ -111,14 +111,22 @@ def _ysw(i, j):
 
 
 @compiled
-def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
+def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool = True):
     """Per (chunk, qk-head), given S and dS' of the chunk for each of its G = h_v / h_qk v-heads: dq, dk
     (summed over the GVA group), and per v-head dv, dg, dbeta.
 
-    Call as ``kernel(q, k, v, do, tt, gb, h, dh, dvp, sd, cu_seqlens, chunk_offsets, scale, acc, dq, dk, dv, dg,
-    dbeta)`` with ``tt``, ``gb`` from ``gdr_fwd.kkt_inverse`` (gamma and the masked beta of the
-    chunk), ``tt.shape[0] >= n_tok // 64 + n_seq`` chunk slots (as ``backward`` allocates), and the grid one
-    slot longer than that. One CTA loads the q, k tiles once, then loops over the group's v-heads
+    Call as ``kernel(q, k, v, do, tt, gb, h, dh, dvp, sd, ready, target, cu_seqlens, chunk_offsets, order, scale,
+    acc, dq, dk, dv, dg, dbeta)`` with ``tt``, ``gb`` from ``gdr_fwd.kkt_inverse`` (gamma and the masked beta of
+    the chunk), ``tt.shape[0] >= n_tok // 64 + n_seq`` chunk slots (as ``backward`` allocates), and the grid one
+    slot longer than that.
+
+    Launched right behind ``fused_bwd.chunk_dstates_ws`` (with ``pdl``, as its programmatic dependent, so that
+    it runs on the SMs the recurrence leaves idle): CTA (hk, rank) takes chunk slot ``order[rank]`` (or, when
+    ``order[0] < 0``, the slots last to first) and, before loading dS', sd and dV', waits until
+    ``ready[chunk, hk]`` reaches ``target`` (the recurrence's CTAs of the group's v-heads and DV slices have each
+    published the chunk). The spare slots come last and wait for the whole recurrence grid, so this grid
+    completes after it. Without ``pdl`` it is an ordinary launch after the recurrence (the counters are then
+    complete). One CTA loads the q, k tiles once, then loops over the group's v-heads
     hv = hk G + g; every other input tile is TMA-loaded per v-head against one mbarrier (phase g % 2; h too
     in fp16; in bf16 h comes by cp.async into the free W'/dV' tiles and is converted after the wait, and dV'
     follows into its tile against a second mbarrier); rows of a partial chunk past the sequence end are
@@ -485,7 +493,8 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
                 # a spare slot: the rows past cu_seqlens[-1] (padding), 64 per tile, spread over the spare slots.
                 # The spare slots run last and wait for the reverse recurrence to finish, so that this grid completes
                 # after it.
-                T.pdl_sync()
+                if pdl:
+                    T.pdl_sync()
                 tail = n_tok - cu_seqlens[n_seq]
                 n_spare = n_chunk + 1 - n_real
                 u = chunk - n_real
@@ -510,4 +519,5 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256):
 
 def variants():
     """``(kernel name, params)`` of every :func:`chunk_grads` variant (for prebuild)."""
-    return [("chunk_grads", dict(dk=128, dv=128, dtype=dt)) for dt in _DTYPES.values()]
+    return [("chunk_grads", dict(dk=128, dv=128, dtype=dt, pdl=pdl))
+            for dt in _DTYPES.values() for pdl in (True, False)]
