@@ -114,3 +114,11 @@ def test_publish_order(n_c, ctas, n_sm):
         mine = [s for s in order if walk_of[s] == w]
         assert mine == sorted(mine, reverse=True)
     assert _publish_order([3, 1, 2], 1, 8).tolist() == [2, 3, 5, 1, 4, 0]  # ties in slot order
+
+
+def test_chunk_table():
+    from qla_compile.kernels.backward import _chunk_table
+
+    lens = [130, 0, 64, 1]  # chunks of 64, 64, 2 | - | 64 | 1
+    rows = _chunk_table(lens, torch.tensor([4, 0, 2, 3, 1])).tolist()
+    assert rows == [[4, 194, 1, 0], [0, 0, 64, 0], [2, 128, 2, 0], [3, 130, 64, 0], [1, 64, 64, 0]]

@@ -84,13 +84,26 @@ def _publish_order(n_c, ctas_per_walk, n_sm):
     return torch.argsort(published, stable=True)
 
 
+def _chunk_table(lens, order):
+    """Rows ``(slot, first token, length, 0)`` of the chunk slots ``order`` of sequences of ``lens`` tokens
+    (int32, on the host): what ``chunk_grads`` would otherwise search ``cu_seqlens`` for."""
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    n_c = (lens_t + CHUNK - 1) // CHUNK
+    seq = torch.repeat_interleave(torch.arange(len(lens)), n_c)[order]
+    ci = order - (n_c.cumsum(0) - n_c)[seq]
+    start = (lens_t.cumsum(0) - lens_t)[seq] + ci * CHUNK
+    length = torch.minimum(lens_t[seq] - ci * CHUNK, torch.tensor(CHUNK))
+    return torch.stack([order, start, length, torch.zeros_like(order)], 1).to(torch.int32)
+
+
 def _grads_order(lens, chunks, h_v, n_bv, device):
-    """``chunk_grads``' chunk slots (int32, on the device) in :func:`_publish_order` for the walks of the reverse
-    recurrence: the sequences of ``lens`` tokens, or their pieces of ``chunks`` chunks, each with ``h_v * n_bv``
-    CTAs. Built once per plan; ``lens`` None (unknown without a synchronisation) gives the placeholder ``[-1]``:
-    all slots last to first."""
+    """``chunk_grads``' launch table (int32 ``[slots, 4]``, on the device): the chunk slots in
+    :func:`_publish_order` for the walks of the reverse recurrence (the sequences of ``lens`` tokens, or their
+    pieces of ``chunks`` chunks, each with ``h_v * n_bv`` CTAs), as :func:`_chunk_table` rows. Built once per
+    plan; ``lens`` None (unknown without a synchronisation) gives a placeholder row of -1: the kernel then takes
+    the slots last to first and searches for their sequences."""
     if lens is None:
-        return torch.full((1,), -1, device=device, dtype=torch.int32)
+        return torch.full((1, 4), -1, device=device, dtype=torch.int32)
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count
     key = (str(device), tuple(lens), chunks, h_v, n_bv, n_sm)
     if key not in _ORDERS:
@@ -101,7 +114,7 @@ def _grads_order(lens, chunks, h_v, n_bv, device):
             n_c = [b - a for a, b in zip(offs, offs[1:])]
         if len(_ORDERS) >= _ORDERS_SIZE:
             _ORDERS.clear()
-        _ORDERS[key] = _publish_order(n_c, h_v * n_bv, n_sm).to(torch.int32).to(device)
+        _ORDERS[key] = _chunk_table(lens, _publish_order(n_c, h_v * n_bv, n_sm)).to(device)
     return _ORDERS[key]
 
 
@@ -138,7 +151,7 @@ def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scal
     dh0 = torch.empty(n_seq, h_v, dk, dv, **f32)
     sd = (torch.empty if block_dv < dv else torch.zeros)(n_slots, h_v, 2, dk, **f32)
     ready = torch.zeros(n_slots, h_qk, device=q3.device, dtype=torch.int32)
-    slot_order = _grads_order(lens, None if cp is None else cp.chunks, h_v, dv // block_dv, q3.device)
+    grads_order = _grads_order(lens, None if cp is None else cp.chunks, h_v, dv // block_dv, q3.device)
     # dq, dk summed over each GVA group in the kernel (fp32 through the scratch when G > 1) and written in the
     # input dtype; every row of every output is written (the spare chunk slots zero the rows past cu_seqlens[-1]).
     # Allocated before the recurrence starts: chunk_grads runs beside it, so nothing the recurrence reads may be
@@ -152,7 +165,7 @@ def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scal
         q3, k3, do3, tt, gb, h, cu, offsets, order, dht, float(scale), dh, dvp, dh0, sd, ready)
     gdr_bwd.chunk_grads(dk=dk, dv=dv, dtype=dtype)(
         q3, k3, v3, do3, tt, gb, h, dh, dvp, sd, ready, (h_v // h_qk) * (dv // block_dv), seqs[0], seqs[1],
-        slot_order, float(scale), acc, dq, dkh, dvo, dg, db)
+        grads_order, float(scale), acc, dq, dkh, dvo, dg, db)
     if cp is not None and has_h0:  # each sequence's dh0 is its first piece's
         dh0 = dh0.index_select(0, cp.seq_pieces[:-1])
     return dq, dkh, dvo, dg, db, dh0

@@ -121,8 +121,10 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
     slot longer than that.
 
     Launched right behind ``fused_bwd.chunk_dstates_ws`` (with ``pdl``, as its programmatic dependent, so that
-    it runs on the SMs the recurrence leaves idle): CTA (hk, rank) takes chunk slot ``order[rank]`` (or, when
-    ``order[0] < 0``, the slots last to first) and, before loading dS', sd and dV', waits until
+    it runs on the SMs the recurrence leaves idle): CTA (hk, rank) takes row ``rank`` of ``order``, int32
+    ``(chunk slot, first token, length, 0)`` (``backward._grads_order``; with a placeholder row of -1 it takes
+    the slots last to first and searches ``chunk_offsets`` for their sequences) and, before loading dS', sd and
+    dV' (on the second mbarrier, first waited for after V'), waits until
     ``ready[chunk, hk]`` reaches ``target`` (the recurrence's CTAs of the group's v-heads and DV slices have each
     published the chunk). The spare slots come last and wait for the whole recurrence grid, so this grid
     completes after it. Without ``pdl`` it is an ordinary launch after the recurrence (the counters are then
@@ -174,7 +176,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
         target: T.int32,
         cu_seqlens: T.Tensor((n_seq1,), "int32"),
         chunk_offsets: T.Tensor((n_seq1,), "int32"),
-        slot_order: T.Tensor((n_order,), "int32"),
+        order: T.Tensor((n_order, 4), "int32"),
         scale: T.float32,
         acc_buf: T.Tensor((n_acc, h_qk, 2, C, dk), acc),
         dq_out: T.Tensor((n_tok, h_qk, dk), dtype),
@@ -228,27 +230,33 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
             grp = T.alloc_var("int32", init=h_v // h_qk)  # G, once, not per access
             tx = T.get_thread_binding()
             n_seq = n_seq1 - 1
-            n_real = chunk_offsets[n_seq]
-            chunk = T.alloc_var("int32", init=rank)
-            if rank < n_real:
-                if slot_order[0] < 0:
-                    chunk = n_real - 1 - rank
+            n_real = chunk_offsets[n_seq]  # (an expression: loaded where used)
+            # this rank's (chunk slot, first token, length) from the table in one load, else (a placeholder table)
+            # slots last to first, each one's sequence searched for; the spare slots come after the real ones
+            entry = T.alloc_local((4,), "int32")
+            for e in T.vectorized(4):
+                entry[e] = order[T.min(rank, n_order - 1), e]
+            chunk = T.alloc_var("int32", init=entry[0])
+            start = T.alloc_var("int32", init=entry[1])
+            length = T.alloc_var("int32", init=entry[2])
+            if rank >= n_order or entry[0] < 0:
+                chunk = T.if_then_else(rank < n_real, n_real - 1 - rank, rank)
+                if chunk < n_real:
+                    # the owning sequence: the largest s with chunk_offsets[s] <= chunk
+                    seq = T.alloc_var("int32", init=0)
+                    hi = T.alloc_var("int32", init=n_seq - 1)
+                    for _ in T.serial(31):
+                        if seq < hi:
+                            mid = (seq + hi + 1) // 2
+                            if chunk_offsets[mid] <= chunk:
+                                seq = mid
+                            else:
+                                hi = mid - 1
+                    start = cu_seqlens[seq] + (chunk - chunk_offsets[seq]) * C
+                    length = T.min(cu_seqlens[seq + 1] - start, C)
                 else:
-                    chunk = slot_order[rank]
-            if chunk < n_real:
-                # the owning sequence: the largest s with chunk_offsets[s] <= chunk
-                seq = T.alloc_var("int32", init=0)
-                hi = T.alloc_var("int32", init=n_seq - 1)
-                for _ in T.serial(31):
-                    if seq < hi:
-                        mid = (seq + hi + 1) // 2
-                        if chunk_offsets[mid] <= chunk:
-                            seq = mid
-                        else:
-                            hi = mid - 1
-                ci = chunk - chunk_offsets[seq]
-                start = cu_seqlens[seq] + ci * C
-                length = T.min(cu_seqlens[seq + 1] - start, C)
+                    length = 0
+            if length > 0:
                 for g in T.serial(grp):
                     hv = hk * grp + g
                     # every input tile in flight at once (q, k once); rows past n_tok are zero-filled by the TMA
@@ -263,11 +271,12 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
                     if dtype == half:
                         T.tma_copy(h[chunk, hv, :, :], s_s, barrier=bar)
                     # what the reverse recurrence writes, once it has published the chunk for every v-head of the
-                    # group (the loading warp waits)
+                    # group (the loading warp waits, under the loads above), on the second mbarrier: dS' is first
+                    # read after V'
                     if g == 0 and tx < 32:
                         T.call_extern("void", "qla_ready_wait", T.address_of(ready[chunk, hk]), target)
-                    T.tma_copy(dh[chunk, hv, :, :], ds_s, barrier=bar)
-                    T.tma_copy(sd[chunk, hv, :, :], sd_s, barrier=bar)
+                    T.tma_copy(dh[chunk, hv, :, :], ds_s, barrier=bar_dvp)
+                    T.tma_copy(sd[chunk, hv, :, :], sd_s, barrier=bar_dvp)
                     if dtype == half:
                         T.tma_copy(dvp[chunk, hv, :, :], wd_s[1, :, :], barrier=bar_dvp)
                         T.barrier_arrive(bar_dvp)
@@ -322,11 +331,11 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
                     T.wgmma_gemm(a_s, wd_s[0, :, :], b1_f, clear_accum=True)
                     T.wait_wgmma(0)
                     T.copy(b1_f, vn_s)
+                    # dS', sd and dV' = r o K dS' + P_g^T dO from the reverse recurrence
+                    T.barrier_wait(bar_dvp, g % 2)
                     # dk starts with r o (V' dS'^T)
                     T.wgmma_gemm(vn_s, ds_s, dk_f, transpose_B=True, clear_accum=True)
-                    # dV' = r o K dS' + P_g^T dO from the reverse recurrence (rows past the sequence's end zeroed)
-                    T.barrier_wait(bar_dvp, g % 2)
-                    if length < C:
+                    if length < C:  # dV' rows past the sequence's end zeroed
                         for i, d in T.Parallel(C, dv):
                             if i >= length:
                                 wd_s[1, i, d] = T.cast(0, dtype)
