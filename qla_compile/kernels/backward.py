@@ -149,7 +149,7 @@ def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scal
     dh = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=q3.dtype)
     dvp = torch.empty(n_slots, h_v, CHUNK, dv, device=q3.device, dtype=q3.dtype)
     dh0 = torch.empty(n_seq, h_v, dk, dv, **f32)
-    sd = (torch.empty if block_dv < dv else torch.zeros)(n_slots, h_v, 2, dk, **f32)
+    sd = torch.empty(n_slots, h_v, 2, dk, **f32)  # slot 1 unwritten and unread when V is not split
     ready = torch.zeros(n_slots, h_qk, device=q3.device, dtype=torch.int32)
     grads_order = _grads_order(lens, None if cp is None else cp.chunks, h_v, dv // block_dv, q3.device)
     # dq, dk summed over each GVA group in the kernel (fp32 through the scratch when G > 1) and written in the

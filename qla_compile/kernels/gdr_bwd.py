@@ -126,12 +126,13 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
     the slots last to first and searches ``chunk_offsets`` for their sequences) and, before loading dS', sd and
     dV' (on the second mbarrier, first waited for after V'), waits until
     ``ready[chunk, hk]`` reaches ``target`` (the recurrence's CTAs of the group's v-heads and DV slices have each
-    published the chunk). The spare slots come last and wait for the whole recurrence grid, so this grid
+    published the chunk; ``target`` is G times the recurrence's DV slices, and ``sd``'s second slice is read only
+    when there are two). The spare slots come last and wait for the whole recurrence grid, so this grid
     completes after it. Without ``pdl`` it is an ordinary launch after the recurrence (the counters are then
     complete). One CTA loads the q, k tiles once, then loops over the group's v-heads
-    hv = hk G + g; every other input tile is TMA-loaded per v-head against one mbarrier (phase g % 2; h too
-    in fp16; in bf16 h comes by cp.async into the free W'/dV' tiles and is converted after the wait, and dV'
-    follows into its tile against a second mbarrier); rows of a partial chunk past the sequence end are
+    hv = hk G + g; its other input tiles are TMA-loaded per v-head against one mbarrier (phase g % 2; h too
+    in fp16; in bf16 h comes by cp.async into the free W'/dV' tiles and is converted after the wait) and the
+    recurrence's dS', sd and dV' against a second (dV' in bf16 once the conversion has freed its tile); rows of a partial chunk past the sequence end are
     zeroed in shared memory. Independent GEMMs are issued together
     (``T.wgmma_gemm``) and waited for as late as their first reader. dv is staged over dV' and stored as
     one tile (by rows when the chunk is partial).
@@ -451,8 +452,10 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
                                     dk_out[start + i, hk, d] = out_s[1, i, d]
                     # dg_t = sum_s M_st, M_st = [s >= t] (de_s + left_st) + [s < t] dr_s + a (sd_s + sd_{s+C}) with
                     # left_st = sum_{j<t} Y_sj; the a <dS', S> term is folded into de_s and dr_s.
-                    for i in T.Parallel(C):
-                        sda = e_s[C - 1] * ((sd_s[0, i] + sd_s[1, i]) + (sd_s[0, i + C] + sd_s[1, i + C]))
+                    for i in T.Parallel(C):  # sd's second DV slice only when the recurrence split V (target = G x 2)
+                        sda = e_s[C - 1] * (
+                            (sd_s[0, i] + T.if_then_else(target > grp, sd_s[1, i], T.float32(0)))
+                            + (sd_s[0, i + C] + T.if_then_else(target > grp, sd_s[1, i + C], T.float32(0))))
                         de_s[i] = sda + ((pq_s[0, i] + pq_s[1, i]) - (pu_s[0, i] + pu_s[1, i]))
                         dr_s[i] = sda + (pr_s[0, i] + pr_s[1, i])
                     T.sync_threads()
