@@ -100,9 +100,9 @@ def _grads_order(lens, chunks, h_v, n_bv, device):
     """``chunk_grads``' launch table (int32 ``[slots, 4]``, on the device): the chunk slots in
     :func:`_publish_order` for the walks of the reverse recurrence (the sequences of ``lens`` tokens, or their
     pieces of ``chunks`` chunks, each with ``h_v * n_bv`` CTAs), as :func:`_chunk_table` rows. Built once per
-    plan; ``lens`` None (unknown without a synchronisation) gives a placeholder row of -1: the kernel then takes
-    the slots last to first and searches for their sequences."""
-    if lens is None:
+    plan; ``lens`` None (unknown without a synchronisation) or all zero gives a placeholder row of -1: the kernel
+    then takes the slots last to first and searches for their sequences."""
+    if lens is None or not any(lens):
         return torch.full((1, 4), -1, device=device, dtype=torch.int32)
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count
     key = (str(device), tuple(lens), chunks, h_v, n_bv, n_sm)
