@@ -132,9 +132,9 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
     complete). One CTA loads the q, k tiles once, then loops over the group's v-heads
     hv = hk G + g; its other input tiles are TMA-loaded per v-head against one mbarrier (phase g % 2; h too
     in fp16; in bf16 h comes by cp.async into the free W'/dV' tiles and is converted after the wait) and the
-    recurrence's dS', sd and dV' against a second (dV' in bf16 once the conversion has freed its tile); rows of a partial chunk past the sequence end are
-    zeroed in shared memory. Independent GEMMs are issued together
-    (``T.wgmma_gemm``) and waited for as late as their first reader. dv is staged over dV' and stored as
+    recurrence's dS', sd and dV' against a second (dV' in bf16 once the conversion has freed its tile); rows
+    of a partial chunk past the sequence end are zeroed in shared memory. Independent GEMMs are issued
+    together (``T.wgmma_gemm``) and waited for as late as their first reader. dv is staged over dV' and stored as
     one tile (by rows when the chunk is partial).
 
     dq, dk sum over g = 0, 1, ..., G - 1 in that order in fp32 through ``acc`` (fp32 scratch
