@@ -73,7 +73,12 @@ def test_piece_tables(monkeypatch):
     chunks = [b - a for a, b in zip(offs, offs[1:])]
     # a permutation, by decreasing chunk count, ties in piece order
     assert pieces.order.tolist() == sorted(range(len(last)), key=lambda p: (-chunks[p], p))
-    assert pieces.seq_last.tolist() == [p - 1 for p in seq_pieces[1:]]
+    # a sequence's final state comes from its last piece, its dh0 from its first (a 0-token sequence: one piece)
+    seq_of = [n for n in range(len(lens)) for _ in range(seq_pieces[n], seq_pieces[n + 1])]
+    assert pieces.ht_row.tolist() == [seq_of[p] if last[p] else -1 for p in range(len(last))]
+    assert pieces.dh0_row.tolist() == [seq_of[p] if p in seq_pieces[:-1] else -1 for p in range(len(last))]
+    assert sorted(r for r in pieces.ht_row.tolist() if r >= 0) == list(range(len(lens)))
+    assert sorted(r for r in pieces.dh0_row.tolist() if r >= 0) == list(range(len(lens)))
     assert pieces.final_fwd.tolist() == [int(x) for x in last]
     # the backward forms M for every piece but a sequence's only one
     assert pieces.final_bwd.tolist() == [int(p in seq_pieces[:-1] and last[p]) for p in range(len(last))]

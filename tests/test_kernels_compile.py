@@ -23,7 +23,7 @@ VARIANTS = [
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="float16", has_h0=False, block_dv=64)),
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="bfloat16", has_h0=False, block_dv=64, transition=True)),
     ("scan", dict(dk=128, dv=128, has_h0=True)),
-    ("warmup_plan", dict(dtype="bfloat16")),
+    ("warmup_plan", dict()),
     ("seq_tables", dict(cu_dtype="int64")),
 ]
 

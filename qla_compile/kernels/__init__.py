@@ -139,10 +139,11 @@ class _Pieces(NamedTuple):
     offsets: torch.Tensor  # [P+1] first chunk slot of each piece
     order: torch.Tensor  # [P] launch order of the recurrent kernels, longest piece first (as ``_tables``)
     seq_pieces: torch.Tensor  # [N+1] first piece of each sequence
-    seq_last: torch.Tensor  # [N] last piece of each sequence
     final_fwd: torch.Tensor  # [P] nonzero: the forward needs no transition of the piece (a sequence's last)
     final_bwd: torch.Tensor  # [P] the same for the backward (a sequence's only piece)
     first: torch.Tensor  # [P] nonzero: a sequence's first piece (its backward transition is not needed)
+    ht_row: torch.Tensor  # [P] the sequence whose final state a piece gives (its last piece), else -1
+    dh0_row: torch.Tensor  # [P] the sequence whose initial-state gradient a piece gives (its first piece), else -1
     chunks: int  # the piece length in 64-token chunks
 
 
@@ -155,11 +156,13 @@ def _piece_tables(lens, chunks, device):
             return None
         cu, offs, seq_pieces, last = cp_fwd.pieces(lens, chunks)
         order = sorted(range(len(last)), key=lambda p: offs[p] - offs[p + 1])  # stable: ties in piece order
-        seq_last = [p - 1 for p in seq_pieces[1:]]
         firsts = set(seq_pieces[:-1])
         first = [int(p in firsts) for p in range(len(last))]
         only = [int(last[p] and first[p]) for p in range(len(last))]
-        rows = [cu, offs, order, seq_pieces, seq_last, [int(x) for x in last], only, first]
+        seq_of = [n for n in range(len(seq_pieces) - 1) for _ in range(seq_pieces[n], seq_pieces[n + 1])]
+        ht_row = [seq_of[p] if last[p] else -1 for p in range(len(last))]
+        dh0_row = [seq_of[p] if first[p] else -1 for p in range(len(last))]
+        rows = [cu, offs, order, seq_pieces, [int(x) for x in last], only, first, ht_row, dh0_row]
         flat = torch.tensor([x for row in rows for x in row], dtype=torch.int32).to(device)
         if len(_PIECE_TABLES) >= _CACHE_SIZE:
             _PIECE_TABLES.clear()
@@ -207,21 +210,22 @@ def _n_slots(n_tok, n_seq):
 
 
 def _chunk_tables(n_tok, n_seq, h_v, device):
-    """Uninitialised per-chunk tables ``(tt, gb)`` of :func:`_n_slots` slots (see
-    :func:`chunk_gdr_fwd_hopper_aux`)."""
+    """Uninitialised per-chunk tables ``(tt, gb, bad)`` of :func:`_n_slots` slots (see
+    :func:`chunk_gdr_fwd_hopper_aux`; ``bad``: int32 ``[n_slots, H_v]`` contraction flags, ``gdr_fwd.kkt_inverse``)."""
     n_slots = _n_slots(n_tok, n_seq)
     tt = torch.empty(n_slots, h_v, gdr_fwd.CHUNK, gdr_fwd.CHUNK, device=device, dtype=torch.float16)
     gb = torch.empty(n_slots, h_v, 2, gdr_fwd.CHUNK, device=device, dtype=torch.float32)
-    return tt, gb
+    bad = torch.empty(n_slots, h_v, device=device, dtype=torch.int32)
+    return tt, gb, bad
 
 
-def _gate_inverse(k3, g, beta, cu, offsets, tt, gb, dtype):
-    """``gdr_fwd.kkt_inverse`` into ``tt, gb`` (from :func:`_chunk_tables`) for the packed ``k3`` and the
+def _gate_inverse(k3, g, beta, cu, offsets, tables, dtype):
+    """``gdr_fwd.kkt_inverse`` into ``tables`` (from :func:`_chunk_tables`) for the packed ``k3`` and the
     activated gates ``g``, ``beta`` (``[B, T, H_v]``, any float dtype)."""
-    n_tok, h_v = k3.shape[0], gb.shape[1]
+    n_tok, h_v = k3.shape[0], tables[1].shape[1]
     g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
     b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
-    gdr_fwd.kkt_inverse(dk=k3.shape[2], dtype=dtype)(k3, g_tok, b_tok, cu, offsets, tt, gb)
+    gdr_fwd.kkt_inverse(dk=k3.shape[2], dtype=dtype)(k3, g_tok, b_tok, cu, offsets, *tables)
 
 
 def _block_dv(n_ctas, dv):
@@ -240,8 +244,9 @@ def _cp_cache_views(cache, n_p, h_v, dk, dv):
             cache[a + b:].view(torch.int32).view(n_p, h_v))
 
 
-def _piece_initial_states(q3, k3, v3, tt, gb, initial_state, dtype, pieces, backward=False):
-    """Every piece's initial state from ``cp_fwd``, for the :class:`_Pieces` ``pieces``: ``(h0p, block_dv, skip,
+def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces, backward=False):
+    """Every piece's initial state from ``cp_fwd``, for the :class:`_Pieces` ``pieces`` (``tt, gb, bad`` from
+    ``gdr_fwd.kkt_inverse``): ``(h0p, block_dv, skip,
     m, cache)``, h0p fp32 ``[P, H_v, K, V]``; ``skip`` and the transitions ``m`` as the transition kernel left
     them (M formed where ``skip < 0``); ``cache`` the flat tensor they are views of (:func:`_cp_cache_views`).
     With ``backward`` M is also formed for the last piece of a sequence with several (the backward's reverse
@@ -252,7 +257,7 @@ def _piece_initial_states(q3, k3, v3, tt, gb, initial_state, dtype, pieces, back
     cache = torch.empty(n_p * h_v * (dk * dv + dk * dk + 1), **f32)
     h0p, m, skip = _cp_cache_views(cache, n_p, h_v, dk, dv)
     final = pieces.final_bwd if backward else pieces.final_fwd
-    cp_fwd.warmup_plan(dtype=dtype)(k3, gb, pieces.cu, pieces.offsets, final, skip)
+    cp_fwd.warmup_plan()(gb, bad, pieces.offsets, final, skip)
     e = torch.empty(n_p, h_v, dk, dv, **f32)
     bv = _block_dv(n_p * h_v, dv)
     fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=False, block_dv=bv, transition=True)(
@@ -263,15 +268,16 @@ def _piece_initial_states(q3, k3, v3, tt, gb, initial_state, dtype, pieces, back
     return h0p, bv, skip, m, cache
 
 
-def _forward_cp(q3, k3, v3, tt, gb, scale, initial_state, dtype, pieces, for_backward):
+def _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, pieces, for_backward):
     """The fused forward over the :class:`_Pieces` ``pieces``, their initial states from ``cp_fwd``:
     ``(o, final_state, cache)`` (``cache`` as ``_piece_initial_states`` with ``backward=for_backward``)."""
-    h0p, bv, _, _, cache = _piece_initial_states(q3, k3, v3, tt, gb, initial_state, dtype, pieces, for_backward)
+    h0p, bv, _, _, cache = _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
+                                                 for_backward)
     o = torch.empty_like(v3)
-    ht = torch.empty_like(h0p)
+    ht = torch.empty(pieces.seq_pieces.numel() - 1, *h0p.shape[1:], device=h0p.device, dtype=h0p.dtype)
     fused_fwd.chunk_fwd_ws(dk=k3.shape[2], dv=v3.shape[2], dtype=dtype, has_h0=True, block_dv=bv)(
-        q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, h0p, float(scale), o, ht)
-    return o, ht.index_select(0, pieces.seq_last), cache
+        q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, pieces.ht_row, h0p, float(scale), o, ht)
+    return o, ht, cache
 
 
 def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
@@ -300,7 +306,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
         q, k = _l2norm(q), _l2norm(k)
     n_tok = B * T
     n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    tt, gb = _chunk_tables(n_tok, n_seq, h_v, q.device)
+    tt, gb, bad = _chunk_tables(n_tok, n_seq, h_v, q.device)
     no_cache = torch.empty(0, device=q.device, dtype=torch.float32)
     if n_tok == 0:
         ht = torch.zeros(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
@@ -311,18 +317,18 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
     cu, offsets, order = _tables(cu_seqlens, B, T, q.device)
-    _gate_inverse(k3, g, beta, cu, offsets, tt, gb, dtype)
+    _gate_inverse(k3, g, beta, cu, offsets, (tt, gb, bad), dtype)
 
     cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device, for_backward)
     if cp is not None:
-        o, ht, cache = _forward_cp(q3, k3, v3, tt, gb, scale, initial_state, dtype, cp, for_backward)
+        o, ht, cache = _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, cp, for_backward)
         return o.view(B, T, h_v, dv), ht, tt, gb, offsets, (cache if for_backward else no_cache)
     has_h0 = initial_state is not None
     h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
     kernel = fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=_block_dv(n_seq * h_v, dv))
-    kernel(q3, k3, v3, tt, gb, cu, offsets, order, h0, float(scale), o, ht)
+    kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], h0, float(scale), o, ht)  # cu[:1] = [0]: walk n to row n
     return o.view(B, T, h_v, dv), ht, tt, gb, offsets, no_cache
 
 

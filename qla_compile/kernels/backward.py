@@ -27,11 +27,12 @@ from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _chunk_table
 CHUNK = gdr_fwd.CHUNK
 
 
-def _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, cp, cp_cache=None):
+def _chunk_states(q3, k3, v3, tt, gb, bad, cu, offsets, order, initial_state, dtype, cp, cp_cache=None):
     """Every chunk-start state of the forward recurrence, fp16 ``[n_slots, H_v, K, V]`` (slot numbering
     of ``offsets``), by the fused forward in its ``store_h`` mode; context-parallel over the pieces ``cp``
     (a ``kernels._Pieces``, whose tables ``cu, offsets, order`` then are) when given, their initial states and
-    transitions taken from the forward's ``cp_cache`` when it holds them. Returns ``(h, transitions)``: None or
+    transitions taken from the forward's ``cp_cache`` when it holds them (else planned with the contraction
+    flags ``bad`` of ``gdr_fwd.kkt_inverse``). Returns ``(h, transitions)``: None or
     the pieces' ``(skip, m)`` that the reverse pass reuses."""
     n_slots, h_v, dk, dv = tt.shape[0], v3.shape[1], k3.shape[2], v3.shape[2]
     h = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=torch.float16)
@@ -40,7 +41,8 @@ def _chunk_states(q3, k3, v3, tt, gb, cu, offsets, order, initial_state, dtype, 
         n_p = cp.order.numel()
         cached = _cp_cache_views(cp_cache, n_p, h_v, dk, dv)
         if cached is None:
-            h0, bv, skip, m, _ = _piece_initial_states(q3, k3, v3, tt, gb, initial_state, dtype, cp, backward=True)
+            h0, bv, skip, m, _ = _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, cp,
+                                                       backward=True)
         else:
             (h0, m, skip), bv = cached, _block_dv(n_p * h_v, dv)
         has_h0, transitions = True, (skip, m)
@@ -150,7 +152,9 @@ def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scal
         dht, has_dht = entering, True
     dh = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=q3.dtype)
     dvp = torch.empty(n_slots, h_v, CHUNK, dv, device=q3.device, dtype=q3.dtype)
-    dh0 = torch.empty(n_seq, h_v, dk, dv, **f32)
+    # each sequence's dh0 from its first piece when split (cp.dh0_row), else walk n's to row n (cu[:1] = [0])
+    dh0_rows = cu[:1] if cp is None else cp.dh0_row
+    dh0 = torch.empty(n_seq if cp is None else cp.seq_pieces.numel() - 1, h_v, dk, dv, **f32)
     sd = torch.empty(n_slots, h_v, 2, dk, **f32)  # slot 1 unwritten and unread when V is not split
     ready = torch.zeros(n_slots, h_qk, device=q3.device, dtype=torch.int32)
     grads_order = _grads_order(lens, None if cp is None else cp.chunks, h_v, dv // block_dv, q3.device)
@@ -164,12 +168,10 @@ def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scal
     dg = torch.empty(h_v, n_tok, **f32)
     db = torch.empty(h_v, n_tok, **f32)
     fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
-        q3, k3, do3, tt, gb, h, cu, offsets, order, dht, float(scale), dh, dvp, dh0, sd, ready)
+        q3, k3, do3, tt, gb, h, cu, offsets, order, dh0_rows, dht, float(scale), dh, dvp, dh0, sd, ready)
     gdr_bwd.chunk_grads(dk=dk, dv=dv, dtype=dtype)(
         q3, k3, v3, do3, tt, gb, h, dh, dvp, sd, ready, (h_v // h_qk) * (dv // block_dv), seqs[0], seqs[1],
         grads_order, float(scale), acc, dq, dkh, dvo, dg, db)
-    if cp is not None and has_h0:  # each sequence's dh0 is its first piece's
-        dh0 = dh0.index_select(0, cp.seq_pieces[:-1])
     return dq, dkh, dvo, dg, db, dh0
 
 
@@ -225,16 +227,19 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     do3 = do.reshape(n_tok, h_v, dv).to(v.dtype).contiguous()
     cu, offsets, order = _tables(cu_seqlens, B, T_, dev)
 
-    if aux is None:
-        tt, gb = _chunk_tables(n_tok, n_seq, h_v, dev)
-        _gate_inverse(k3, g, beta, cu, offsets, tt, gb, dtype)
-    else:
-        tt, gb = aux[:2]
     cp_cache = aux[2] if aux is not None and len(aux) == 3 else None
     cp = _cp_plan(context_parallel, cu_seqlens, B, T_, h_v, dev, backward=True)
+    if cp is not None and _cp_cache_views(cp_cache, cp.order.numel(), h_v, dk, dv) is None:
+        cp_cache = None
+    if aux is None or (cp is not None and cp_cache is None):
+        # the gate inverse here: no aux, or a plan to make without the forward's contraction flags
+        tt, gb, bad = _chunk_tables(n_tok, n_seq, h_v, dev)
+        _gate_inverse(k3, g, beta, cu, offsets, (tt, gb, bad), dtype)
+    else:
+        tt, gb, bad = aux[0], aux[1], None
     # the two recurrences walk the pieces when split (they stand for the sequences there), else the sequences
     walk = (cu, offsets, order) if cp is None else (cp.cu, cp.offsets, cp.order)
-    h, transitions = _chunk_states(q3, k3, v3, tt, gb, *walk, initial_state, dtype, cp, cp_cache)
+    h, transitions = _chunk_states(q3, k3, v3, tt, gb, bad, *walk, initial_state, dtype, cp, cp_cache)
     has_h0 = initial_state is not None
     lens = _host_lengths(cu_seqlens, B, T_, read=False)
     dq, dkh, dvo, dg, db, dh0 = _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, (cu, offsets), dht, has_h0,

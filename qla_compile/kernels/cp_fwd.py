@@ -83,33 +83,31 @@ def pieces(lens, chunk_len: int):
 
 
 @compiled
-def warmup_plan(*, dtype: str, dk: int = 128):
+def warmup_plan():
     """Per (piece, v-head), the chunks the transition kernel skips (see ``chunk_fwd_ws``), in one launch.
 
-    Call as ``kernel(k, gb, cu, chunk_offsets, final, skip)``: ``k`` ``[T, H_qk, K]``, ``gb`` the forward's
-    ``[slots, H_v, 2, 64]`` gate table (row 0, column 63: a chunk's summed log gate; row 1: beta, 0 past a
-    sequence's end), ``cu`` and ``chunk_offsets`` the pieces' int32 ``[P+1]`` tables, ``final`` int32 ``[P]``
-    (nonzero: E and M of that piece are not needed, skip = ``_NO_CHUNKS``); writes int32 ``skip`` ``[P, H_v]``.
+    Call as ``kernel(gb, bad, chunk_offsets, final, skip)``: ``gb`` the forward's ``[slots, H_v, 2, 64]`` gate
+    table (row 0, column 63: a chunk's summed log gate), ``bad`` its int32 ``[slots, H_v]`` contraction flags
+    (both from ``gdr_fwd.kkt_inverse``), ``chunk_offsets`` the pieces' int32 ``[P+1]`` table, ``final`` int32
+    ``[P]`` (nonzero: E and M of that piece are not needed, skip = ``_NO_CHUNKS``); writes int32 ``skip``
+    ``[P, H_v]``.
 
     A piece skips its chunks before the last ones whose gate sum drops below -10, provided every per-token
-    map ``I - beta k k^T`` of the piece is a contraction (``beta >= 0``, ``beta |k|^2 <= 2``), which the
-    e^-10 bound on the dropped M needs; otherwise (or if the sum never drops that far) skip = -1: the
-    whole piece runs and M is formed. One CTA per (v-head, piece), one thread per token row of four chunks
-    at a time; then the chunks' gate sums are loaded in parallel and walked from shared memory.
+    map ``I - beta k k^T`` of the piece is a contraction (no chunk flagged in ``bad``), which the e^-10 bound
+    on the dropped M needs; otherwise (or if the sum never drops that far) skip = -1: the whole piece runs
+    and M is formed. One CTA per (v-head, piece): the chunks' flags and gate sums are loaded in parallel,
+    the sums walked from shared memory by one thread.
     """
-    n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_p1 = T.dynamic("n_p1")
-    h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
     C, acc = CHUNK, "float32"
-    threads = 4 * C  # four chunks of rows per step
+    threads = 128
 
     @T.prim_func
     def kernel(
-        k: T.Tensor((n_tok, h_qk, dk), dtype),
         gb: T.Tensor((n_chunk, h_v, 2, C), acc),
-        cu: T.Tensor((n_p1,), "int32"),
+        bad: T.Tensor((n_chunk, h_v), "int32"),
         chunk_offsets: T.Tensor((n_p1,), "int32"),
         final: T.Tensor((n_p1 - 1,), "int32"),
         skip: T.Tensor((n_p1 - 1, h_v), "int32"),
@@ -117,9 +115,7 @@ def warmup_plan(*, dtype: str, dk: int = 128):
         with T.Kernel(h_v, n_p1 - 1, threads=threads) as (hv, p):
             bad_s = T.alloc_shared((1,), "int32")  # some token's map is not a contraction
             gs_s = T.alloc_shared((threads,), acc)  # gate sums of the chunks, the last chunk first
-            k_l = T.alloc_local((dk,), dtype)
             tx = T.get_thread_binding()
-            hk = T.alloc_var("int32", init=hv // (h_v // h_qk))
             c0 = chunk_offsets[p]
             n_c = chunk_offsets[p + 1] - c0
             first = T.alloc_var("int32", init=-1)  # first chunk of the shortest tail decaying below -10
@@ -127,23 +123,12 @@ def warmup_plan(*, dtype: str, dk: int = 128):
                 bad_s[0] = 0
             T.sync_threads()
             if final[p] == 0:
-                for step in T.serial(T.ceildiv(n_c, 4)):
-                    i = step * threads + tx  # row within the piece
-                    row = cu[p] + i
-                    ss = T.alloc_var(acc, init=T.float32(0))
-                    if (i < n_c * C) & (row < n_tok):
-                        for d8 in T.unroll(dk // 8):
-                            for e in T.vectorized(8):
-                                k_l[d8 * 8 + e] = k[row, hk, d8 * 8 + e]
-                        for d in T.unroll(dk):
-                            ss = ss + T.cast(k_l[d], acc) * T.cast(k_l[d], acc)
-                    if i < n_c * C:  # rows past the sequence's end have beta = 0
-                        b = gb[c0 + i // C, hv, 1, i % C]
-                        if (b < 0) | (b * ss > 2):
-                            bad_s[0] = 1
                 decay = T.alloc_var(acc, init=T.float32(0))
                 for blk in T.serial(T.ceildiv(n_c, threads)):
                     r = blk * threads + tx
+                    if r < n_c:
+                        if bad[c0 + n_c - 1 - r, hv] != 0:
+                            bad_s[0] = 1
                     gs_s[tx] = T.if_then_else(r < n_c, gb[c0 + T.max(n_c - 1 - r, 0), hv, 0, C - 1], T.float32(0))
                     T.sync_threads()
                     if tx == 0:
@@ -223,5 +208,4 @@ def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV, reve
 def variants():
     """``(kernel name, params)`` of every scan variant (K = V = 128)."""
     return [("scan", dict(dk=128, dv=128, has_h0=has_h0, reverse=reverse))
-            for has_h0 in (True, False) for reverse in (False, True)] + [
-        ("warmup_plan", dict(dtype=dtype)) for dtype in ("bfloat16", "float16")]
+            for has_h0 in (True, False) for reverse in (False, True)] + [("warmup_plan", {})]

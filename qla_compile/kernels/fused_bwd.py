@@ -93,8 +93,9 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
     """Stores each chunk's incoming dS' and its dV' (input dtype) in ``dh`` and ``dvp``, dh0 (fp32) when asked,
     and ``sd``.
 
-    ``kernel(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dht, scale, dh, dvp, dh0, sd)`` (``order`` as
-    for ``fused_fwd.chunk_fwd_ws``); ``dvp[chunk, hv]`` is the chunk's (C, V) dV' tile, its rows past the
+    ``kernel(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dh0_rows, dht, scale, dh, dvp, dh0, sd, ready)``
+    (``order`` as for ``fused_fwd.chunk_fwd_ws``, ``dh0_rows`` as its ``ht_rows``: the row of ``dh0`` each walk
+    writes, -1 for none, or the one entry 0 for walk n to row n); ``dvp[chunk, hv]`` is the chunk's (C, V) dV' tile, its rows past the
     sequence's end unspecified;
     ``sd[chunk, hv, bv, :]`` are the row sums over DV slice ``bv`` of dS' o S with the fp32 dS' (slot 1
     is not written when V is not split).
@@ -111,6 +112,8 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
     n_dht = T.dynamic("n_dht")
+    n_rows = T.dynamic("n_rows")
+    n_dh0 = T.dynamic("n_dh0")
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
     C, BV = CHUNK, block_dv
@@ -118,7 +121,8 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
     assert dv // BV <= 2, "sd has two DV-slice slots"
 
     @T.macro
-    def body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, skip, first, dht, scale, dh, dvp, dh0, sd, ready):
+    def body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dh0_rows, skip, first, dht, scale, dh, dvp, dh0, sd,
+             ready):
         with T.Kernel(h_v, dv // BV, n_seq1 - 1, threads=512) as (hv, bv, rank):  # launch order as in the forward
             T.import_source(_PTX + _READY)
             if not transition:  # chunk_grads may start on the SMs this grid leaves free
@@ -214,8 +218,12 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                     T.barrier_wait(du_ready, j % 2)
                     T.gemm(k_s[st, :, :], do_s[st, :, :], ds_f, transpose_A=True)
                     T.barrier_arrive(empty[st])
-                if has_h0:
+                if transition:
                     T.copy(ds_f, dh0[seq, hv, :, v0 : v0 + BV])
+                elif has_h0:
+                    row = T.alloc_var("int32", init=T.if_then_else(n_rows == n_seq1 - 1, dh0_rows[seq], seq))
+                    if row >= 0:
+                        T.copy(ds_f, dh0[row, hv, :, v0 : v0 + BV])
 
             elif tx < 256:  # WG1: dV' and dU0
                 T.set_max_nreg(_NREG[1], 1)
@@ -359,8 +367,8 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             scale: T.float32,
             dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
         ):
-            body(q, k, do, tt, gb, None, cu_seqlens, chunk_offsets, order, skip, first, None, scale, None, None, dh0,
-                 None, None)
+            body(q, k, do, tt, gb, None, cu_seqlens, chunk_offsets, order, None, skip, first, None, scale, None, None,
+                 dh0, None, None)
 
     else:
 
@@ -375,16 +383,17 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
             cu_seqlens: T.Tensor((n_seq1,), "int32"),
             chunk_offsets: T.Tensor((n_seq1,), "int32"),
             order: T.Tensor((n_seq1 - 1,), "int32"),
+            dh0_rows: T.Tensor((n_rows,), "int32"),
             dht: T.Tensor((n_dht, h_v, dk, dv), acc),
             scale: T.float32,
             dh: T.Tensor((n_chunk, h_v, dk, dv), dtype),
             dvp: T.Tensor((n_chunk, h_v, C, dv), dtype),
-            dh0: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
+            dh0: T.Tensor((n_dh0, h_v, dk, dv), acc),
             sd: T.Tensor((n_chunk, h_v, 2, dk), acc),
             ready: T.Tensor((n_chunk, h_qk), "int32"),
         ):
-            body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, None, None, dht, scale, dh, dvp, dh0, sd,
-                 ready)
+            body(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dh0_rows, None, None, dht, scale, dh, dvp, dh0,
+                 sd, ready)
 
     return kernel
 

@@ -68,9 +68,11 @@ def _gamma_times(gb_s, st, a, b, row_log2=0.0, col_log2=0.0):
 @compiled
 def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128, transition: bool = False,
                  store_h: bool = False):
-    """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, h0, scale, o,
-    ht)``, ``order`` the sequences in launch order (``kernels._tables``: longest first, so that the longest
-    walks start first).
+    """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0,
+    scale, o, ht)``, ``order`` the sequences in launch order (``kernels._tables``: longest first, so that the
+    longest walks start first). ``ht_rows`` int32: the row of ``ht`` each walk's final state goes to (-1: none;
+    context-parallel pieces, ``kernels._Pieces.ht_row``), or the one entry 0 (``cu_seqlens[:1]``) for walk n to
+    row n.
 
     With ``transition`` (the context-parallel prologue, see ``cp_fwd``) it computes no output but, per
     (piece, v-head), the affine map of the piece's state recurrence, ``S_end = M S_start + E``:
@@ -89,6 +91,8 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
     n_h0 = T.dynamic("n_h0")
+    n_rows = T.dynamic("n_rows")
+    n_ht = T.dynamic("n_ht")
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
     C, BV = CHUNK, block_dv
@@ -97,7 +101,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     has_out = not (transition or store_h)
 
     @T.macro
-    def body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, h0, skip, scale, o, ht, mt, h):
+    def body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, skip, scale, o, ht, mt, h):
         # the sequence is the slowest grid dimension: CTAs start in ``order``, every head of a sequence together
         with T.Kernel(h_v, n_slices, n_seq1 - 1, threads=512) as (hv, bv, rank):
             T.import_source(_PTX)
@@ -181,8 +185,12 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                 if is_m:  # M's columns, only where it was formed
                     if n_run > 0:
                         T.copy(s_f, mt[seq, hv, :, v0 - dv : v0 - dv + BV])
-                elif not store_h:
+                elif transition:
                     T.copy(s_f, ht[seq, hv, :, v0 : v0 + BV])
+                elif has_out:
+                    row = T.alloc_var("int32", init=T.if_then_else(n_rows == n_seq1 - 1, ht_rows[seq], seq))
+                    if row >= 0:
+                        T.copy(s_f, ht[row, hv, :, v0 : v0 + BV])
 
             elif tx < 256:  # WG1: the delta rule
                 T.set_max_nreg(_NREG[1], 1)
@@ -309,7 +317,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             ht: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
             mt: T.Tensor((n_seq1 - 1, h_v, dk, dk), acc),
         ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, None, skip, None, None, ht, mt, None)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, None, None, skip, None, None, ht, mt, None)
 
     elif store_h:
 
@@ -326,7 +334,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             h0: T.Tensor((n_h0, h_v, dk, dv), acc),
             h: T.Tensor((n_chunk, h_v, dk, dv), half),
         ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, h0, None, None, None, None, None, h)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, None, h0, None, None, None, None, None, h)
 
     else:
 
@@ -340,12 +348,13 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             cu_seqlens: T.Tensor((n_seq1,), "int32"),
             chunk_offsets: T.Tensor((n_seq1,), "int32"),
             order: T.Tensor((n_seq1 - 1,), "int32"),
+            ht_rows: T.Tensor((n_rows,), "int32"),
             h0: T.Tensor((n_h0, h_v, dk, dv), acc),
             scale: T.float32,
             o: T.Tensor((n_tok, h_v, dv), dtype),
-            ht: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
+            ht: T.Tensor((n_ht, h_v, dk, dv), acc),
         ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, h0, None, scale, o, ht, None, None)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, None, scale, o, ht, None, None)
 
     return kernel
 

@@ -31,9 +31,11 @@ _LD_BLOCK = _HALF * _LD_STRIDE + 4  # offset of the second diagonal block: 4 ban
 
 @compiled
 def kkt_inverse(*, dk: int, dtype: str):
-    """Per chunk and v-head: T~ = (I + strictly_lower(diag(beta) K K^T))^-1 (fp16) and the gate
+    """Per chunk and v-head: T~ = (I + strictly_lower(diag(beta) K K^T))^-1 (fp16), the gate
     cumsum gamma with the masked beta (fp32 ``gb[chunk, hv] = [gamma; beta]``; rows past the
-    sequence end get g = 0 and beta = 0, so their rows of T~ are unit rows).
+    sequence end get g = 0 and beta = 0, so their rows of T~ are unit rows) and int32
+    ``bad[chunk, hv]``, nonzero when some token's map ``I - beta k k^T`` may not be a contraction
+    (``beta < 0`` or ``beta |k|^2 > 2``, |k|^2 from the diagonal of K K^T): ``cp_fwd.warmup_plan`` reads it.
 
     One CTA (one warpgroup) per (chunk, qk-head, group of up to 4 v-heads of that qk-head): K and
     K K^T (fp32, wgmma) are computed once and kept in shared memory; only beta and the inverse differ
@@ -70,6 +72,7 @@ def kkt_inverse(*, dk: int, dtype: str):
         chunk_offsets: T.Tensor((n_seq1,), "int32"),
         tt: T.Tensor((n_chunk, h_v, C, C), half),
         gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+        bad: T.Tensor((n_chunk, h_v), "int32"),
     ):
         with T.Kernel(n_chunk, h_qk, T.ceildiv(h_v // h_qk, GB), threads=128) as (chunk, hq, hz):
             T.annotate_min_blocks_per_sm(4)
@@ -84,13 +87,17 @@ def kkt_inverse(*, dk: int, dtype: str):
             x = T.alloc_local((H,), acc)
             y = T.alloc_local((Q,), acc)
             lrow = T.alloc_local((H,), acc)
+            bad_s = T.alloc_shared((GB,), "int32")  # per v-head: some token's map is not a contraction
 
             n_seq = n_seq1 - 1
             # per-CTA scalars computed once (the dynamic floor division is not re-evaluated per use)
             n_grp = T.alloc_var("int32", init=h_v // h_qk)
             hv0 = T.alloc_var("int32", init=hq * n_grp + hz * GB)  # first v-head of this CTA
             cnt = T.alloc_var("int32", init=T.min(n_grp - hz * GB, GB))  # v-heads of this CTA
+            tx = T.get_thread_binding()
             if chunk < chunk_offsets[n_seq]:
+                if tx < GB:
+                    bad_s[tx] = 0
                 # the sequence owning this chunk: largest s with chunk_offsets[s] <= chunk
                 lo = T.alloc_var("int32", init=0)
                 hi = T.alloc_var("int32", init=n_seq - 1)
@@ -117,12 +124,19 @@ def kkt_inverse(*, dk: int, dtype: str):
                         ld_s[i // H, (i % H) * LS + j % H] = p_f[i, j]
                     elif i >= H:
                         c_s[i - H, j] = p_f[i, j]
+                if tx < C:  # row tx: |k|^2 from the diagonal of K K^T
+                    kk = ld_s[tx // H, (tx % H) * LS + tx % H]
+                    for h in T.unroll(GB):
+                        if (bt_s[h, tx] < 0) | (bt_s[h, tx] * kk > 2):
+                            bad_s[h] = 1
                 T.cumsum(gt_s, dim=1)
                 for h, r, i in T.Parallel(GB, 2, C):
                     if h < cnt:
                         gb[chunk, hv0 + h, r, i] = T.if_then_else(r == 0, gt_s[h, i], bt_s[h, i])
+                T.sync_threads()
+                if tx < cnt:
+                    bad[chunk, hv0 + tx] = bad_s[tx]
 
-                tx = T.get_thread_binding()
                 for pair in T.serial(T.ceildiv(cnt, 2)):
                     h0 = pair * 2
                     # the previous pair's wgmma has finished reading a_s and b_s in every warp

@@ -203,21 +203,32 @@ def test_warmup_plan_matches_a_loop():
     k[600, 0] *= 3**0.5  # |k|^2 = 3: with beta 0.9 not a contraction (v-head 1), with beta 0.5 one (v-head 0)
     beta[600, 0], beta[600, 1] = 0.5, 0.9
     beta[1950, 2] = -0.1  # a negative beta in the last piece of sequence 2 (v-head 2)
+    beta[2080, 3] = -1.0  # past cu[-1]: never read
     sums = -torch.rand(n_slots, h_v, generator=gen) * 6  # chunk gate sums in [-6, 0]
     sums[:, 3] = 0  # a head that never decays: always the exact transition
     gb = torch.zeros(n_slots, h_v, 2, 64)
     gb[:, :, 0, 63] = sums
     gb[33:] = float("nan")  # unused slots hold garbage: never read
-    for p in range(5):
-        for i in range(cu[p + 1] - cu[p]):
-            gb[offs[p] + i // 64, :, 1, i % 64] = beta[cu[p] + i]
-    last, only = [0, 0, 1, 0, 1], [0, 0, 0, 0, 0]  # the forward's and the backward's final pieces
     dev = dict(device="cuda", dtype=torch.int32)
+    kb = k.bfloat16().float()
+    # the contraction flags from kkt_inverse (the pieces taken as its sequences), against the host's
+    tt2 = torch.empty(n_slots, h_v, 64, 64, device="cuda", dtype=torch.float16)
+    gb2 = torch.empty(n_slots, h_v, 2, 64, device="cuda")
+    bad = torch.full((n_slots, h_v), 7, **dev)  # unused slots hold garbage: never read
+    kernels._gate_inverse(k.cuda().bfloat16(), torch.zeros(n_tok, h_v, device="cuda"), beta.cuda(),
+                          torch.tensor(cu, **dev), torch.tensor(offs, **dev), (tt2, gb2, bad), "bfloat16")
+    for p in range(5):
+        for c in range(offs[p], offs[p + 1]):
+            rows = slice(cu[p] + (c - offs[p]) * 64, min(cu[p] + (c - offs[p] + 1) * 64, cu[p + 1]))
+            for h in range(h_v):
+                b = beta[rows, h]
+                flagged = bool((b < 0).any() or (b * kb[rows, h // 2].square().sum(-1) > 2).any())
+                assert bool(bad[c, h]) == flagged, (c, h)
+    assert bad[9, 1] and not bad[9, 0] and bad[30, 2] and int(bad[:33].ne(0).sum()) == 2
+    last, only = [0, 0, 1, 0, 1], [0, 0, 0, 0, 0]  # the forward's and the backward's final pieces
     for final in (last, only):
         skip = torch.full((5, h_v), -7, **dev)
-        cp_fwd.warmup_plan(dtype="bfloat16")(k.cuda().bfloat16(), gb.cuda(), torch.tensor(cu, **dev),
-                                             torch.tensor(offs, **dev), torch.tensor(final, **dev), skip)
-        kb = k.bfloat16().float()
+        cp_fwd.warmup_plan()(gb.cuda(), bad, torch.tensor(offs, **dev), torch.tensor(final, **dev), skip)
         for p in range(5):
             rows = slice(cu[p], cu[p + 1])
             for h in range(h_v):
