@@ -9,7 +9,8 @@ Pipeline (one packed token stream, chunks numbered as in ``gdr_fwd``; notation i
    from the forward's ``cp_cache`` when ``aux`` has it, else recomputed).
 3. ``fused_bwd.chunk_dstates_ws`` -- the reverse recurrence of dS, storing each chunk's incoming dS' and
    dV' (input dtype), dh0 and the row sums of dS' o S that dg's gamma_C term needs; context-parallel over
-   the same pieces as step 2. It publishes each chunk in per-(chunk, qk-head) counters once written.
+   the same pieces as step 2, from the gradients entering them (:func:`_entering_gradients`, beside step 2
+   on a second stream when the forward's transitions are given). It publishes each chunk in per-(chunk, qk-head) counters once written.
 4. ``gdr_bwd.chunk_grads`` -- per (chunk, qk-head), looping over the GVA group's v-heads: dv, dg and dbeta
    per v-head, dq and dk summed over the group on chip. Launched as step 3's programmatic dependent, it
    runs beside it on the SMs the recurrence leaves idle, taking chunks in the order they are published
@@ -122,15 +123,65 @@ def _grads_order(lens, chunks, h_v, n_bv, device):
     return _ORDERS[key]
 
 
-def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scale, dtype, cp, transitions,
-                       lens):
+def _entering_gradients(q3, k3, do3, tt, gb, dht, scale, dtype, cp, transitions, entering):
+    """Into ``entering`` (fp32 ``[P, H_v, K, V]``): the state gradient entering each context-parallel piece of
+    ``cp``, given the final-state gradient ``dht`` (fp32 or None) and the pieces' ``transitions`` ``(skip, m)``.
+    Every piece but a sequence's first passes back the state gradient of a zero one
+    (``fused_bwd.chunk_dstates_ws``' transition mode, over the leading chunks that reach the piece's start
+    undecayed); a reverse scan (``cp_fwd.scan``) chains them. Needs no chunk state, so it may run beside the
+    state recompute."""
+    h_v, dk, dv = do3.shape[1], q3.shape[2], do3.shape[2]
+    skip, m = transitions
+    passed = torch.empty_like(entering)
+    fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=True, has_dht=False,
+                               block_dv=_block_dv(cp.order.numel() * h_v, dv), transition=True)(
+        q3, k3, do3, tt, gb, cp.cu, cp.offsets, cp.order, skip, cp.first, float(scale), passed)
+    has_dht = dht is not None
+    dht = _state_arg(dht, h_v, dk, dv, q3.device)
+    cp_fwd.scan(dk=dk, dv=dv, has_h0=has_dht, reverse=True)(passed, m, skip, cp.seq_pieces, dht, entering)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device):
+    """A second stream of ``device`` (one per device, made once)."""
+    key = str(device)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[key]
+
+
+def _states_and_entering(q3, k3, v3, do3, tt, gb, bad, walk, dht, initial_state, scale, dtype, cp, cp_cache):
+    """The chunk states ``h`` (:func:`_chunk_states` over ``walk``) and the state gradient the reverse recurrence
+    starts its walks from: ``dht`` itself, or when split into the pieces ``cp`` the gradients entering them
+    (:func:`_entering_gradients`). With the forward's transitions in ``cp_cache`` those run on a second stream
+    beside the state recompute, on the SMs its last wave leaves idle; what they read and write stays referenced
+    here until the streams join."""
+    if cp is None:
+        return _chunk_states(q3, k3, v3, tt, gb, bad, *walk, initial_state, dtype, cp)[0], dht
+    h_v, dk, dv = do3.shape[1], q3.shape[2], do3.shape[2]
+    entering = torch.empty(cp.order.numel(), h_v, dk, dv, device=q3.device, dtype=torch.float32)
+    cached = _cp_cache_views(cp_cache, cp.order.numel(), h_v, dk, dv)
+    if cached is None:
+        h, transitions = _chunk_states(q3, k3, v3, tt, gb, bad, *walk, initial_state, dtype, cp)
+        _entering_gradients(q3, k3, do3, tt, gb, dht, scale, dtype, cp, transitions, entering)
+        return h, entering
+    main, side = torch.cuda.current_stream(q3.device), _side_stream(q3.device)
+    side.wait_stream(main)  # the fork: the side stream waits for what main has so far, not the state recompute
+    h, _ = _chunk_states(q3, k3, v3, tt, gb, bad, *walk, initial_state, dtype, cp, cp_cache)  # submitted first
+    with torch.cuda.stream(side):
+        _entering_gradients(q3, k3, do3, tt, gb, dht, scale, dtype, cp, (cached[2], cached[1]), entering)
+    main.wait_stream(side)
+    return h, entering
+
+
+def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scale, dtype, cp, lens):
     """The reverse recurrence (``fused_bwd.chunk_dstates_ws``) and, launched as its programmatic dependent so
     that it fills the SMs the recurrence leaves idle, ``gdr_bwd.chunk_grads``: ``(dq, dk, dv, dg, dbeta, dh0)``
-    in the kernels' layouts. The recurrence walks ``walk`` (the tables of the context-parallel pieces ``cp``,
-    with the ``transitions`` of ``_chunk_states``, or of the sequences ``seqs``): every piece but a sequence's
-    first passes back the state gradient of a zero one (the transition mode, over the leading chunks that reach
-    the piece's start undecayed), a reverse scan (``cp_fwd.scan``) chains them into the gradient entering each
-    piece, and the pieces then run in parallel. It publishes each chunk per qk-head in ``ready`` once its
+    in the kernels' layouts. The recurrence walks ``walk`` from ``dht`` (fp32 or None): the tables of the
+    context-parallel pieces ``cp`` from their entering gradients (:func:`_entering_gradients`), all at once, or
+    of the sequences ``seqs``. It publishes each chunk per qk-head in ``ready`` once its
     dS', dV' and sd rows are written for every v-head and DV slice; chunk_grads takes the chunks in the order
     of :func:`_grads_order` (``lens``: the sequence lengths, or None) and waits for each."""
     cu, offsets, order = walk
@@ -141,15 +192,6 @@ def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scal
     dht = _state_arg(dht, h_v, dk, dv, q3.device)
     n_seq = cu.numel() - 1
     block_dv = _block_dv(n_seq * h_v, dv)
-    if cp is not None:
-        skip, m = transitions
-        passed = torch.empty(n_seq, h_v, dk, dv, **f32)
-        fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=True, has_dht=False, block_dv=block_dv,
-                                   transition=True)(q3, k3, do3, tt, gb, cu, offsets, order, skip, cp.first,
-                                                    float(scale), passed)
-        entering = torch.empty_like(passed)
-        cp_fwd.scan(dk=dk, dv=dv, has_h0=has_dht, reverse=True)(passed, m, skip, cp.seq_pieces, dht, entering)
-        dht, has_dht = entering, True
     dh = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=q3.dtype)
     dvp = torch.empty(n_slots, h_v, CHUNK, dv, device=q3.device, dtype=q3.dtype)
     # each sequence's dh0 from its first piece when split (cp.dh0_row), else walk n's to row n (cu[:1] = [0])
@@ -239,11 +281,11 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
         tt, gb, bad = aux[0], aux[1], None
     # the two recurrences walk the pieces when split (they stand for the sequences there), else the sequences
     walk = (cu, offsets, order) if cp is None else (cp.cu, cp.offsets, cp.order)
-    h, transitions = _chunk_states(q3, k3, v3, tt, gb, bad, *walk, initial_state, dtype, cp, cp_cache)
+    h, dht = _states_and_entering(q3, k3, v3, do3, tt, gb, bad, walk, dht, initial_state, scale, dtype, cp, cp_cache)
     has_h0 = initial_state is not None
     lens = _host_lengths(cu_seqlens, B, T_, read=False)
     dq, dkh, dvo, dg, db, dh0 = _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, (cu, offsets), dht, has_h0,
-                                                   scale, dtype, cp, transitions, lens)
+                                                   scale, dtype, cp, lens)
     dq = dq.view(B, T_, h_qk, dk)
     dkh = dkh.view(B, T_, h_qk, dk)
     dg = dg.t().to(g.dtype).reshape(B, T_, h_v)

@@ -58,7 +58,16 @@ CASES = {
 }
 
 
-def _check_case(case, params, **options):
+def _forward_aux(kw, scale, **options):
+    """The forward's ``(tt, gb, cp_cache)`` for the backward's ``aux``."""
+    from qla_compile.kernels import chunk_gdr_fwd_hopper_aux
+
+    _, _, tt, gb, _, cache = chunk_gdr_fwd_hopper_aux(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale,
+                                                      kw.get("initial_state"), kw.get("cu_seqlens"), **options)
+    return tt, gb, cache
+
+
+def _check_case(case, params, with_aux=False, **options):
     backward = _hopper()
     B, T, H, HV, dtype, cu, h0, has_dht = params
     kw, do, dht = _case(B, T, H, HV, dtype, cu, h0, has_dht, seed=len(case) * 7919 + torch.seed() % 1000)
@@ -66,6 +75,9 @@ def _check_case(case, params, **options):
         kw["cu_seqlens"] = kw["cu_seqlens"].cuda()
     scale = 0.3 if case == "dense-scale" else 128**-0.5
     ref = _oracle(kw, do, dht, scale)
+    if with_aux:  # with the forward's context-parallel cache the pieces' entering gradients run on a second stream
+        options["aux"] = _forward_aux(kw, scale, **options)
+        assert options["aux"][2].numel() > 0
     got = _run(backward, kw, do, dht, scale, **options)
     errs = {}
     for name, x, r in zip(NAMES, got, ref):
@@ -93,30 +105,36 @@ CP_CASES = {
 }
 
 
+@pytest.mark.parametrize("with_aux", [False, True])
 @pytest.mark.parametrize("case", list(CP_CASES))
-def test_gradients_context_parallel(case):
-    _check_case(case, CP_CASES[case], context_parallel=2)
+def test_gradients_context_parallel(case, with_aux):
+    _check_case(case, CP_CASES[case], with_aux, context_parallel=2)
 
 
-@pytest.mark.parametrize("context_parallel", [None, 2])
-def test_deterministic(context_parallel):
+@pytest.mark.parametrize("context_parallel,with_aux", [(None, False), (2, False), (2, True)])
+def test_deterministic(context_parallel, with_aux):
     """Bitwise equal over many repeats: a race between warpgroups shows up in a few percent of runs (one in
     the reverse pass's <dS', S> sums did, in the first chunk walked of sequences ending mid-chunk)."""
     backward = _hopper()
     cu = [0, 100, 301, 302, 530, 700, 777, 1000, 1201]
     kw, do, dht = _case(1, 1201, 2, 8, torch.bfloat16, cu, True, True, seed=5)
     kw["cu_seqlens"] = kw["cu_seqlens"].cuda()
-    first = _run(backward, kw, do, dht, 128**-0.5, context_parallel=context_parallel)
+    options = dict(context_parallel=context_parallel)
+    if with_aux:
+        options["aux"] = _forward_aux(kw, 128**-0.5, **options)
+    first = _run(backward, kw, do, dht, 128**-0.5, **options)
     for _ in range(50):
-        again = _run(backward, kw, do, dht, 128**-0.5, context_parallel=context_parallel)
+        again = _run(backward, kw, do, dht, 128**-0.5, **options)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+@pytest.mark.parametrize("with_aux", [False, True])
 @pytest.mark.parametrize("context_parallel", [None, 2])
-def test_cuda_graph_forward_backward(context_parallel):
-    """Capture after an uncaptured call; with pieces of 2 chunks the captured call reuses its plan."""
+def test_cuda_graph_forward_backward(context_parallel, with_aux):
+    """Capture after an uncaptured call; with pieces of 2 chunks the captured call reuses its plan (and with the
+    forward's aux, runs the pieces' entering gradients on a second stream)."""
     backward = _hopper()
-    from qla_compile.kernels import chunk_gdr_fwd_hopper
+    from qla_compile.kernels import chunk_gdr_fwd_hopper_aux
 
     kw, do, dht = _case(1, 400, 2, 4, torch.bfloat16, [0, 100, 101, 400], True, True, seed=11)
     kw["cu_seqlens"] = kw["cu_seqlens"].cuda()
@@ -124,8 +142,9 @@ def test_cuda_graph_forward_backward(context_parallel):
     args = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale, kw["initial_state"], kw["cu_seqlens"])
 
     def step():
-        o, ht = chunk_gdr_fwd_hopper(*args, context_parallel=context_parallel)
-        return (o, ht) + tuple(_run(backward, kw, do, dht, scale, context_parallel=context_parallel))
+        o, ht, tt, gb, _, cache = chunk_gdr_fwd_hopper_aux(*args, context_parallel=context_parallel)
+        aux = dict(aux=(tt, gb, cache)) if with_aux else {}
+        return (o, ht) + tuple(_run(backward, kw, do, dht, scale, context_parallel=context_parallel, **aux))
 
     eager = step()
     stream = torch.cuda.Stream()
