@@ -47,7 +47,8 @@ def test_hopper_path_matches_oracle(case):
     grads = torch.autograd.grad((o.float() * do.float()).sum() + (ht * dht).sum(), [ours[n] for n in names])
     rgrads = torch.autograd.grad((ro * do.double()).sum() + (rht * dht.double()).sum(), [ref[n] for n in names])
     errors = {n: rel_err(a, b) for n, a, b in zip(names, grads, rgrads)}
-    # Issue 5's bar. Known gap (H200, 2026-11-29): the bf16 backward's dg reached 1.29e-2 on the dense case.
+    # Issue 5's bar. Known tail: on the dense l2norm case bf16 dg exceeds it in about 1 draw in 100 (FLA in 7,
+    # FlashQLA in 5; bench/results/2026-11-30-dg-tail.md).
     bars = {n: 1e-2 * _sum_condition(ref, dict(zip(names, rgrads))["g"], n) for n in ("A_log", "dt_bias") if n in kw}
     assert all(e < bars.get(n, 1e-2) for n, e in errors.items()), (errors, bars)
 
