@@ -53,10 +53,12 @@ for seed in range(N):
     ph = [((dgq[..., h] - dgr[..., h]).norm() / dgr.norm()).item() for h in range(4)]
     rows.append((seed, r, ph))
     if seed < 3 or max(v[3] for v in r.values()) > 1e-2:
-        print(seed, {nm: " ".join(f"{e:.2e}" for e in v) for nm, v in r.items()}, "qla dg per head", " ".join(f"{e:.1e}" for e in ph), flush=True)
+        errs = {nm: " ".join(f"{e:.2e}" for e in v) for nm, v in r.items()}
+        print(seed, errs, "qla dg per head", " ".join(f"{e:.1e}" for e in ph), flush=True)
 for j, n in enumerate(names):
     line = []
     for nm in rows[0][1]:
         es = sorted(r[1][nm][j] for r in rows)
-        line.append(f"{nm}: med {es[len(es)//2]:.2e} p95 {es[int(len(es)*0.95)]:.2e} max {es[-1]:.2e} >1e-2 {sum(e > 1e-2 for e in es)}")
+        over = sum(e > 1e-2 for e in es)
+        line.append(f"{nm}: med {es[len(es) // 2]:.2e} p95 {es[int(len(es) * 0.95)]:.2e} max {es[-1]:.2e} >1e-2 {over}")
     print(f"d{n:14s}", " | ".join(line))

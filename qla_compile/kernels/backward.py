@@ -10,7 +10,8 @@ Pipeline (one packed token stream, chunks numbered as in ``gdr_fwd``; notation i
 3. ``fused_bwd.chunk_dstates_ws`` -- the reverse recurrence of dS, storing each chunk's incoming dS' and
    dV' (input dtype), dh0 and the row sums of dS' o S that dg's gamma_C term needs; context-parallel over
    the same pieces as step 2, from the gradients entering them (:func:`_entering_gradients`, beside step 2
-   on a second stream when the forward's transitions are given). It publishes each chunk in per-(chunk, qk-head) counters once written.
+   on a second stream when the forward's transitions are given). It publishes each chunk in per-(chunk,
+   qk-head) counters once written.
 4. ``gdr_bwd.chunk_grads`` -- per (chunk, qk-head), looping over the GVA group's v-heads: dv, dg and dbeta
    per v-head, dq and dk summed over the group on chip. Launched as step 3's programmatic dependent, it
    runs beside it on the SMs the recurrence leaves idle, taking chunks in the order they are published

@@ -95,8 +95,8 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
 
     ``kernel(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dh0_rows, dht, scale, dh, dvp, dh0, sd, ready)``
     (``order`` as for ``fused_fwd.chunk_fwd_ws``, ``dh0_rows`` as its ``ht_rows``: the row of ``dh0`` each walk
-    writes, -1 for none, or the one entry 0 for walk n to row n); ``dvp[chunk, hv]`` is the chunk's (C, V) dV' tile, its rows past the
-    sequence's end unspecified;
+    writes, -1 for none, or the one entry 0 for walk n to row n); ``dvp[chunk, hv]`` is the chunk's (C, V) dV'
+    tile, its rows past the sequence's end unspecified;
     ``sd[chunk, hv, bv, :]`` are the row sums over DV slice ``bv`` of dS' o S with the fp32 dS' (slot 1
     is not written when V is not split).
 
