@@ -29,19 +29,18 @@ from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _chunk_table
 CHUNK = gdr_fwd.CHUNK
 
 
-def _chunk_states(q3, k3, v3, tt, gb, bad, cu, offsets, order, initial_state, dtype, cp, cp_cache=None):
+def _chunk_states(q3, k3, v3, tt, gb, bad, cu, offsets, order, initial_state, dtype, cp, cached=None):
     """Every chunk-start state of the forward recurrence, fp16 ``[n_slots, H_v, K, V]`` (slot numbering
     of ``offsets``), by the fused forward in its ``store_h`` mode; context-parallel over the pieces ``cp``
     (a ``kernels._Pieces``, whose tables ``cu, offsets, order`` then are) when given, their initial states and
-    transitions taken from the forward's ``cp_cache`` when it holds them (else planned with the contraction
-    flags ``bad`` of ``gdr_fwd.kkt_inverse``). Returns ``(h, transitions)``: None or
-    the pieces' ``(skip, m)`` that the reverse pass reuses."""
+    transitions taken from ``cached``, the views of the forward's ``cp_cache`` (``kernels._cp_cache_views``),
+    when given (else planned with the contraction flags ``bad`` of ``gdr_fwd.kkt_inverse``). Returns
+    ``(h, transitions)``: None or the pieces' ``(skip, m)`` that the reverse pass reuses."""
     n_slots, h_v, dk, dv = tt.shape[0], v3.shape[1], k3.shape[2], v3.shape[2]
     h = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=torch.float16)
     transitions = None
     if cp is not None:
         n_p = cp.order.numel()
-        cached = _cp_cache_views(cp_cache, n_p, h_v, dk, dv)
         if cached is None:
             h0, bv, skip, m, _ = _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, cp,
                                                        backward=True)
@@ -153,24 +152,23 @@ def _side_stream(device):
     return _SIDE_STREAMS[key]
 
 
-def _states_and_entering(q3, k3, v3, do3, tt, gb, bad, walk, dht, initial_state, scale, dtype, cp, cp_cache):
+def _states_and_entering(q3, k3, v3, do3, tt, gb, bad, walk, dht, initial_state, scale, dtype, cp, cached):
     """The chunk states ``h`` (:func:`_chunk_states` over ``walk``) and the state gradient the reverse recurrence
     starts its walks from: ``dht`` itself, or when split into the pieces ``cp`` the gradients entering them
-    (:func:`_entering_gradients`). With the forward's transitions in ``cp_cache`` those run on a second stream
-    beside the state recompute, on the SMs its last wave leaves idle; what they read and write stays referenced
-    here until the streams join."""
+    (:func:`_entering_gradients`). With the forward's transitions (``cached``, as for :func:`_chunk_states`)
+    those run on a second stream beside the state recompute, on the SMs its last wave leaves idle; what they read
+    and write stays referenced here until the streams join."""
     if cp is None:
         return _chunk_states(q3, k3, v3, tt, gb, bad, *walk, initial_state, dtype, cp)[0], dht
     h_v, dk, dv = do3.shape[1], q3.shape[2], do3.shape[2]
     entering = torch.empty(cp.order.numel(), h_v, dk, dv, device=q3.device, dtype=torch.float32)
-    cached = _cp_cache_views(cp_cache, cp.order.numel(), h_v, dk, dv)
     if cached is None:
         h, transitions = _chunk_states(q3, k3, v3, tt, gb, bad, *walk, initial_state, dtype, cp)
         _entering_gradients(q3, k3, do3, tt, gb, dht, scale, dtype, cp, transitions, entering)
         return h, entering
     main, side = torch.cuda.current_stream(q3.device), _side_stream(q3.device)
     side.wait_stream(main)  # the fork: the side stream waits for what main has so far, not the state recompute
-    h, _ = _chunk_states(q3, k3, v3, tt, gb, bad, *walk, initial_state, dtype, cp, cp_cache)  # submitted first
+    h, _ = _chunk_states(q3, k3, v3, tt, gb, bad, *walk, initial_state, dtype, cp, cached)  # submitted first
     with torch.cuda.stream(side):
         _entering_gradients(q3, k3, do3, tt, gb, dht, scale, dtype, cp, (cached[2], cached[1]), entering)
     main.wait_stream(side)
@@ -272,9 +270,9 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
 
     cp_cache = aux[2] if aux is not None and len(aux) == 3 else None
     cp = _cp_plan(context_parallel, cu_seqlens, B, T_, h_v, dev, backward=True)
-    if cp is not None and _cp_cache_views(cp_cache, cp.order.numel(), h_v, dk, dv) is None:
-        cp_cache = None
-    if aux is None or (cp is not None and cp_cache is None):
+    # the views of the forward's context-parallel cache, when it holds this plan's pieces
+    cached = None if cp is None else _cp_cache_views(cp_cache, cp.order.numel(), h_v, dk, dv)
+    if aux is None or (cp is not None and cached is None):
         # the gate inverse here: no aux, or a plan to make without the forward's contraction flags
         tt, gb, bad = _chunk_tables(n_tok, n_seq, h_v, dev)
         _gate_inverse(k3, g, beta, cu, offsets, (tt, gb, bad), dtype)
@@ -282,7 +280,7 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
         tt, gb, bad = aux[0], aux[1], None
     # the two recurrences walk the pieces when split (they stand for the sequences there), else the sequences
     walk = (cu, offsets, order) if cp is None else (cp.cu, cp.offsets, cp.order)
-    h, dht = _states_and_entering(q3, k3, v3, do3, tt, gb, bad, walk, dht, initial_state, scale, dtype, cp, cp_cache)
+    h, dht = _states_and_entering(q3, k3, v3, do3, tt, gb, bad, walk, dht, initial_state, scale, dtype, cp, cached)
     has_h0 = initial_state is not None
     lens = _host_lengths(cu_seqlens, B, T_, read=False)
     dq, dkh, dvo, dg, db, dh0 = _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, (cu, offsets), dht, has_h0,
