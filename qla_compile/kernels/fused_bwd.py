@@ -75,6 +75,15 @@ __device__ __forceinline__ void qla_ready_wait(const int* p, int target) {
 
 
 @T.macro
+def _stores_done(done, c, pending):
+    """A storing warp's writes of chunk ``c`` are complete: its TMA stores but the last ``pending`` have finished
+    writing (not only reading), are made visible to the async proxy, and the chunk's ``done`` phase counts them."""
+    T.tma_store_wait(pending, read=False)
+    T.call_extern("void", "qla_fence_async_global")
+    T.barrier_arrive(done[c % 4])
+
+
+@T.macro
 def _signal(done, c, ready, slot, hk, h_qk):
     """Publish chunk ``c`` (slot ``slot``) of this CTA: wait for its ``done`` phase, then count it in
     ``ready[slot, hk]`` (one warp; the address formed in the helper, which keeps the producer warp's few
@@ -249,9 +258,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                     T.fence_proxy_async()
                     if not transition:  # dV' for chunk_grads, stored under the GEMM
                         if tx < 160 and j > 0:  # the storing warp: the previous chunk's store is complete
-                            T.tma_store_wait(0, read=False)
-                            T.call_extern("void", "qla_fence_async_global")
-                            T.barrier_arrive(done[(j - 1) % 4])
+                            _stores_done(done, j - 1, 0)
                         T.tma_copy(do_s[st, :, :], dvp[coff + n_c - 1 - j, hv, :, v0 : v0 + BV])
                     T.barrier_wait(a_ready, j % 2)
                     T.gemm(a_s, do_s[st, :, :], u_f, transpose_A=True, clear_accum=True)
@@ -267,9 +274,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                     T.barrier_arrive(du_ready)
                     T.barrier_arrive(empty[st])
                 if not transition and tx < 160 and n_c > 0:
-                    T.tma_store_wait(0, read=False)
-                    T.call_extern("void", "qla_fence_async_global")
-                    T.barrier_arrive(done[(n_c - 1) % 4])
+                    _stores_done(done, n_c - 1, 0)
 
             elif tx < 384:  # WG2: P_g, A_g, W; the dh stores
                 T.set_max_nreg(_NREG[2], 1)
@@ -312,13 +317,9 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
                     T.barrier_arrive(ds_free)
                     T.barrier_arrive(empty[st])
                     if not transition and tx < 288 and j > 0:  # the storing warp: the previous chunk's dh is complete
-                        T.tma_store_wait(1, read=False)
-                        T.call_extern("void", "qla_fence_async_global")
-                        T.barrier_arrive(done[(j - 1) % 4])
+                        _stores_done(done, j - 1, 1)
                 if not transition and tx < 288 and n_c > 0:
-                    T.tma_store_wait(0, read=False)
-                    T.call_extern("void", "qla_fence_async_global")
-                    T.barrier_arrive(done[(n_c - 1) % 4])
+                    _stores_done(done, n_c - 1, 0)
 
             else:  # WG3: producer warps
                 T.set_max_nreg(_NREG[3], 0)
