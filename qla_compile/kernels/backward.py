@@ -156,8 +156,10 @@ def _states_and_entering(q3, k3, v3, do3, tt, gb, bad, walk, dht, initial_state,
     """The chunk states ``h`` (:func:`_chunk_states` over ``walk``) and the state gradient the reverse recurrence
     starts its walks from: ``dht`` itself, or when split into the pieces ``cp`` the gradients entering them
     (:func:`_entering_gradients`). With the forward's transitions (``cached``, as for :func:`_chunk_states`)
-    those run on a second stream beside the state recompute, on the SMs its last wave leaves idle; what they read
-    and write stays referenced here until the streams join."""
+    those run on a second stream beside the state recompute. They are submitted first: the transition pass takes the
+    SMs first, the recompute fills those its short walks (contracting pieces) free, and the reverse scan (a few
+    CTAs) runs beside the recompute rather than after it. What they read and write stays referenced here
+    until the streams join."""
     if cp is None:
         return _chunk_states(q3, k3, v3, tt, gb, bad, *walk, initial_state, dtype, cp)[0], dht
     h_v, dk, dv = do3.shape[1], q3.shape[2], do3.shape[2]
@@ -167,10 +169,10 @@ def _states_and_entering(q3, k3, v3, do3, tt, gb, bad, walk, dht, initial_state,
         _entering_gradients(q3, k3, do3, tt, gb, dht, scale, dtype, cp, transitions, entering)
         return h, entering
     main, side = torch.cuda.current_stream(q3.device), _side_stream(q3.device)
-    side.wait_stream(main)  # the fork: the side stream waits for what main has so far, not the state recompute
-    h, _ = _chunk_states(q3, k3, v3, tt, gb, bad, *walk, initial_state, dtype, cp, cached)  # submitted first
+    side.wait_stream(main)  # the fork
     with torch.cuda.stream(side):
         _entering_gradients(q3, k3, do3, tt, gb, dht, scale, dtype, cp, (cached[2], cached[1]), entering)
+    h, _ = _chunk_states(q3, k3, v3, tt, gb, bad, *walk, initial_state, dtype, cp, cached)
     main.wait_stream(side)
     return h, entering
 
