@@ -243,16 +243,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
             if rank >= n_order or entry[0] < 0:
                 chunk = T.if_then_else(rank < n_real, n_real - 1 - rank, rank)
                 if chunk < n_real:
-                    # the owning sequence: the largest s with chunk_offsets[s] <= chunk
-                    seq = T.alloc_var("int32", init=0)
-                    hi = T.alloc_var("int32", init=n_seq - 1)
-                    for _ in T.serial(31):
-                        if seq < hi:
-                            mid = (seq + hi + 1) // 2
-                            if chunk_offsets[mid] <= chunk:
-                                seq = mid
-                            else:
-                                hi = mid - 1
+                    seq = gdr_fwd.owning_sequence(chunk_offsets, n_seq, chunk)
                     start = cu_seqlens[seq] + (chunk - chunk_offsets[seq]) * C
                     length = T.min(cu_seqlens[seq + 1] - start, C)
                 else:

@@ -29,6 +29,22 @@ _LD_STRIDE = 40  # fp32 row stride of the smem copies of K K^T (conflict-free fr
 _LD_BLOCK = _HALF * _LD_STRIDE + 4  # offset of the second diagonal block: 4 banks away from the first
 
 
+@T.macro
+def owning_sequence(chunk_offsets, n_seq, chunk):
+    """The sequence owning chunk slot ``chunk`` (< ``chunk_offsets[n_seq]``): the largest s with
+    ``chunk_offsets[s] <= chunk``, by bisection."""
+    lo = T.alloc_var("int32", init=0)
+    hi = T.alloc_var("int32", init=n_seq - 1)
+    for _ in T.serial(31):
+        if lo < hi:
+            mid = (lo + hi + 1) // 2
+            if chunk_offsets[mid] <= chunk:
+                lo = mid
+            else:
+                hi = mid - 1
+    return lo
+
+
 @compiled
 def kkt_inverse(*, dk: int, dtype: str):
     """Per chunk and v-head: T~ = (I + strictly_lower(diag(beta) K K^T))^-1 (fp16), the gate
@@ -98,16 +114,7 @@ def kkt_inverse(*, dk: int, dtype: str):
             if chunk < chunk_offsets[n_seq]:
                 if tx < GB:
                     bad_s[tx] = 0
-                # the sequence owning this chunk: largest s with chunk_offsets[s] <= chunk
-                lo = T.alloc_var("int32", init=0)
-                hi = T.alloc_var("int32", init=n_seq - 1)
-                for _ in T.serial(31):
-                    if lo < hi:
-                        mid = (lo + hi + 1) // 2
-                        if chunk_offsets[mid] <= chunk:
-                            lo = mid
-                        else:
-                            hi = mid - 1
+                lo = owning_sequence(chunk_offsets, n_seq, chunk)
                 start = cu_seqlens[lo] + (chunk - chunk_offsets[lo]) * C
                 length = T.min(cu_seqlens[lo + 1] - start, C)
                 T.copy(k[start : start + C, hq, :], k_s)

@@ -160,6 +160,28 @@ def test_cuda_graph_forward_backward(context_parallel, with_aux):
     assert all(torch.equal(a, b) for a, b in zip(eager, captured))
 
 
+def test_captured_backward_without_host_lengths():
+    """A varlen backward captured with a cu_seqlens never read on the host has no launch table for chunk_grads:
+    it takes the chunk slots last to first and searches each one's sequence. Bitwise the eager call's result,
+    which read the lengths and used the table (neither splits: the sequences are short)."""
+    backward = _hopper()
+    from qla_compile.kernels import _host_lengths
+
+    kw, do, dht = _case(1, 700, 2, 4, torch.bfloat16, [0, 1, 65, 200, 201, 640], True, True, seed=13)
+    kw["cu_seqlens"] = kw["cu_seqlens"].cuda()
+    scale = 128**-0.5
+    eager = _run(backward, kw, do, dht, scale)
+    fresh = dict(kw, cu_seqlens=kw["cu_seqlens"].clone())
+    assert _host_lengths(kw["cu_seqlens"], 1, 700, read=False) is not None
+    assert _host_lengths(fresh["cu_seqlens"], 1, 700, read=False) is None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _run(backward, fresh, do, dht, scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+
+
 def test_tokens_past_last_sequence_get_zero_gradients():
     backward = _hopper()
     kw, do, _ = _case(1, 200, 1, 2, torch.bfloat16, [0, 70, 150], False, False, seed=3)
