@@ -243,7 +243,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
             if rank >= n_order or entry[0] < 0:
                 chunk = T.if_then_else(rank < n_real, n_real - 1 - rank, rank)
                 if chunk < n_real:
-                    seq = gdr_fwd.owning_sequence(chunk_offsets, n_seq, chunk)
+                    seq = gdr_fwd._owning_sequence(chunk_offsets, n_seq, chunk)
                     start = cu_seqlens[seq] + (chunk - chunk_offsets[seq]) * C
                     length = T.min(cu_seqlens[seq + 1] - start, C)
                 else:

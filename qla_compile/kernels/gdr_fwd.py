@@ -30,7 +30,7 @@ _LD_BLOCK = _HALF * _LD_STRIDE + 4  # offset of the second diagonal block: 4 ban
 
 
 @T.macro
-def owning_sequence(chunk_offsets, n_seq, chunk):
+def _owning_sequence(chunk_offsets, n_seq, chunk):
     """The sequence owning chunk slot ``chunk`` (< ``chunk_offsets[n_seq]``): the largest s with
     ``chunk_offsets[s] <= chunk``, by bisection."""
     lo = T.alloc_var("int32", init=0)
@@ -114,7 +114,7 @@ def kkt_inverse(*, dk: int, dtype: str):
             if chunk < chunk_offsets[n_seq]:
                 if tx < GB:
                     bad_s[tx] = 0
-                lo = owning_sequence(chunk_offsets, n_seq, chunk)
+                lo = _owning_sequence(chunk_offsets, n_seq, chunk)
                 start = cu_seqlens[lo] + (chunk - chunk_offsets[lo]) * C
                 length = T.min(cu_seqlens[lo + 1] - start, C)
                 T.copy(k[start : start + C, hq, :], k_s)
