@@ -61,19 +61,22 @@ def aux_like(q, k, v, cu_seqlens):
     return v.new_empty(rows * CHUNK, dtype=torch.float16), v.new_empty(rows * 2, dtype=torch.float32)
 
 
-def cp_cache_like(q, k, v, for_backward: bool):
-    """A fake tensor shaped like the forward's ``cp_cache`` (fp32, 1-D): its length depends on the sequence
-    lengths (a data-dependent size) where the Hopper forward may run context-parallel for a backward, else 0."""
-    n, kernels = 0, _kernels()
-    if for_backward and select(q, k, v) == "hopper" and kernels is not None and v.shape[2] <= kernels._CP_MAX_HEADS:
-        n = torch.library.get_ctx().new_dynamic_size()
+def cp_cache_like(q, k, v, cu_seqlens, for_backward: bool):
+    """A tensor shaped like the forward's ``cp_cache`` (fp32, 1-D): where the Hopper forward runs for a
+    backward, :func:`kernels.cp_cache_numel` elements, a bound from shapes alone on what its context-parallel
+    plan keeps (so the op has no data-dependent output size), else none."""
+    n = 0
+    if for_backward and select(q, k, v) == "hopper":
+        n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        n = _kernels().cp_cache_numel(q.shape[0] * q.shape[1], n_seq, v.shape[2], k.shape[3], v.shape[3])
     return v.new_empty(n, dtype=torch.float32)
 
 
 def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions, for_backward=True):
     """``(o, final_state, tt, gb, cp_cache)``; ``tt, gb`` as described by :func:`aux_like`, ``cp_cache`` the
-    Hopper forward's context-parallel cache (``kernels.chunk_gdr_fwd_hopper_aux``; empty when it did not
-    split or ``for_backward`` is false, which also picks the forward-only splitting rule)."""
+    Hopper forward's context-parallel cache (``kernels.chunk_gdr_fwd_hopper_aux``; sized as
+    :func:`cp_cache_like`, filled when the forward split; empty when ``for_backward`` is false, which also
+    picks the forward-only splitting rule)."""
     if select(q, k, v) == "reference":
         o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
         return o, ht, *aux_like(q, k, v, cu_seqlens), q.new_empty(0, dtype=torch.float32)

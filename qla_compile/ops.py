@@ -5,13 +5,13 @@ and the public function drops it when it was not asked for.  ``tt, gb`` are the 
 inverse T~ and per-chunk [gamma; beta], flat and not differentiable (``dispatch.aux_like``; empty on the
 reference path); ``cp_cache`` holds the context-parallel pieces' initial states and transitions when the Hopper
 forward split its sequences and its last argument ``for_backward`` says a backward will follow (the public
-function passes whether autograd will differentiate the call; ``dispatch.cp_cache_like``: a data-dependent
-length, 0 otherwise).
+function passes whether autograd will differentiate the call); its length is a bound known from shapes
+(``dispatch.cp_cache_like``), so no output of either op has a data-dependent size.
 ``qla::chunk_gdr_bwd`` takes what the forward took plus ``do``/``dht`` (and optionally ``tt``/``gb``/``cp_cache``)
 and returns every input gradient; gradients of absent optional inputs (``A_log``, ``dt_bias``,
 ``initial_state``) come back as empty tensors, since an op cannot return ``None``.
 The forward saves its inputs, ``tt, gb`` (together about half the size of a bf16 ``v``) and ``cp_cache`` (128 KB
-per piece and v-head): the Hopper backward reuses them and recomputes the chunk states; the reference backward
+per piece and v-head, at most 64 MB beyond 128 KB per sequence and v-head: ``kernels.cp_cache_numel``): the Hopper backward reuses them and recomputes the chunk states; the reference backward
 recomputes all.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, use_qk
       use_beta_sigmoid, allow_neg_eigval, state_v_first, for_backward=True):
     ht = v.new_empty(_state_shape(v, k, cu_seqlens, state_v_first), dtype=torch.float32)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
-    return o, ht, *dispatch.aux_like(q, k, v, cu_seqlens), dispatch.cp_cache_like(q, k, v, for_backward)
+    return o, ht, *dispatch.aux_like(q, k, v, cu_seqlens), dispatch.cp_cache_like(q, k, v, cu_seqlens, for_backward)
 
 
 @torch.library.custom_op("qla::chunk_gdr_bwd", mutates_args=())

@@ -1,10 +1,13 @@
 """End to end: tiny transformers GDN models under ``torch.compile(model, backend=...)`` vs eager."""
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.profiler import ProfilerActivity, profile
 
 import qla_compile as qb
 from gdn_inputs import rel_err
+from qla_compile import dispatch
 from qla_compile.passes import frontdoor
 
 LENGTHS = (17, 40, 64, 65, 90, 128, 130, 150, 200, 257)  # 10 lengths, 1 to 5 chunks
@@ -90,7 +93,7 @@ def test_qwen3_5_matches_eager(front_door, monkeypatch):
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
     if not front_door:
-        fn = m.torch_chunk_gated_delta_rule.__wrapped__
+        fn = frontdoor.eager_body(m.torch_chunk_gated_delta_rule.__wrapped__)  # its own code, not the trampoline
         copy = types.FunctionType(fn.__code__, fn.__globals__, "copied", fn.__defaults__, fn.__closure__)
         monkeypatch.setattr(m, "torch_chunk_gated_delta_rule", copy)
     model = tiny_qwen3_5()
@@ -104,3 +107,31 @@ def test_qwen3_5_matches_eager(front_door, monkeypatch):
     (report,) = backend.reports
     assert report.fused_calls == 1, report.summary()
     assert (report.front_door_calls == 1) == front_door, report.summary()
+
+
+def test_training_forward_has_no_data_dependent_sizes_where_the_hopper_path_runs(monkeypatch):
+    """Issue 18 on the CPU: with ``dispatch.select`` answering "hopper" while tracing (fake tensors), a training
+    forward of the model traces as one graph per compile under ``fullgraph=True``, and no output of our op has a
+    size that depends on data (an unbacked symbol: a graph break where dynamo may not capture it)."""
+    pytest.importorskip("tilelang")
+    real_select = dispatch.select
+    monkeypatch.setattr(dispatch, "select",
+                        lambda q, k, v: "hopper" if isinstance(q, FakeTensor) else real_select(q, k, v))
+    model = tiny_qwen3_next()
+    qb.register_substitutions()
+    inner = qb.make_backend(inductor=False)
+    unbacked = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "qla" in str(node.target):
+                unbacked.extend(free_unbacked_symbols(node.meta["example_value"]))
+        return inner(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for T in (70, 150, 200):
+        compiled(torch.randint(0, 96, (1, T)), use_cache=False).logits.float().square().mean().backward()
+    assert len(inner.reports) == 2 and all(r.front_door_calls == 1 for r in inner.reports), \
+        [r.summary() for r in inner.reports]
+    assert not unbacked

@@ -1,5 +1,6 @@
 """Front door: the known eager GDN functions trace as one qla op, found at run time, registered idempotently."""
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from gdn_inputs import make_inputs, rel_err
 from qla_compile.passes import frontdoor
@@ -39,3 +40,64 @@ def test_decorated_function_traces_one_op_for_every_length():
     assert len(graphs) <= 2  # static first, then one dynamic graph for every other length
     assert all(sum("chunk_gdr_fwd" in str(t) for t in g) == 1 for g in graphs)
     assert all(len(g) < 30 for g in graphs)  # no unrolled chunk loop
+
+
+def _transformers_fn():
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    frontdoor.register_substitutions()
+    return m.torch_chunk_gated_delta_rule
+
+
+def _gdn_args(T):
+    kw = make_inputs(T=T, H=2, HV=4, K=16, V=16, l2norm=True, seed=T)
+    return tuple(kw[n] for n in ("q", "k", "v", "g", "beta"))
+
+
+def test_eager_calls_run_the_original_body():
+    """The front door leaves eager calls alone: the function's own body runs (no qla op), bit for bit."""
+    fn = _transformers_fn()
+    body = frontdoor.eager_body(fn.__wrapped__)
+    assert body is not fn.__wrapped__  # the plain function's code was taken, its body kept
+    args = _gdn_args(90)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        o, st = fn(*args, use_qk_l2norm_in_kernel=True, output_final_state=True)
+    assert not [e.key for e in prof.key_averages() if "qla" in e.key]
+    o_ref, st_ref = body(*args, use_qk_l2norm_in_kernel=True, output_final_state=True)
+    assert torch.equal(o, o_ref) and torch.equal(st, st_ref)
+
+
+def test_a_substitute_that_fails_to_trace_runs_our_op_not_the_unrolled_loop(monkeypatch):
+    """Should dynamo fail to trace the substitute (here a forced graph break inside it), it must not trace the
+    original's own frame (the chunk loop, unrolled, one recompile per length): our op runs after a graph break,
+    and every graph stays small."""
+    from qla_compile.patterns import known_functions
+
+    fn = _transformers_fn()
+    real = known_functions.chunk_gated_delta_rule
+
+    def breaking(*args, **kwargs):
+        torch._dynamo.graph_break()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(known_functions, "chunk_gated_delta_rule", breaking)
+    sizes = []
+
+    def count_nodes(gm, example_inputs):
+        sizes.append(len(gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    compiled = torch.compile(lambda *a: fn(*a, use_qk_l2norm_in_kernel=True, output_final_state=True),
+                             backend=count_nodes)
+    body = frontdoor.eager_body(fn.__wrapped__)
+    for T in (70, 130, 300):
+        args = _gdn_args(T)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            o, st = compiled(*args)
+        assert "qla::chunk_gdr_fwd" in {e.key for e in prof.key_averages()}
+        o_ref, st_ref = body(*args, use_qk_l2norm_in_kernel=True, output_final_state=True)
+        assert rel_err(o, o_ref) < 1e-5 and rel_err(st, st_ref) < 1e-5
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) > breaks  # the break is dynamo's, logged
+    assert sizes and max(sizes) < 30, sizes  # no unrolled chunk loop (that is 100+ nodes at these lengths)

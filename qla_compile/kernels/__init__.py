@@ -38,7 +38,8 @@ import torch
 from . import cp_fwd, fused_fwd, gdr_fwd
 from ._build import TARGET, cache_dir
 
-__all__ = ["hopper_supported", "chunk_gdr_fwd_hopper", "chunk_gdr_fwd_hopper_aux", "TARGET", "cache_dir"]
+__all__ = ["hopper_supported", "chunk_gdr_fwd_hopper", "chunk_gdr_fwd_hopper_aux", "cp_cache_numel", "TARGET",
+           "cache_dir"]
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _HEAD_DIMS = (128,)
@@ -46,6 +47,10 @@ _HEAD_DIMS = (128,)
 _FULL_DV_MIN_CTAS = 88
 # Context parallelism is only ever chosen for at most this many v-heads (``cp_fwd.piece_chunks``).
 _CP_MAX_HEADS = 60
+# A plan cuts at most this many (piece, v-head) pairs beyond one piece per sequence: a longer piece length is
+# taken where the chosen one would cut more (only sequences of about 200k tokens or more are affected), so
+# that the forward's context-parallel cache has a size known from shapes (:func:`cp_cache_numel`).
+_CP_MAX_EXTRA_PIECE_HEADS = 512
 
 
 def hopper_supported(q, k, v, *args, **kwargs) -> bool:
@@ -170,6 +175,27 @@ def _piece_tables(lens, chunks, device):
     return _PIECE_TABLES[key]
 
 
+def _extra_pieces(lens, chunks):
+    """Pieces of cutting ``lens`` every ``chunks`` chunks, beyond one per sequence (``cp_fwd.pieces``)."""
+    return sum(max(1, -(-n // (chunks * gdr_fwd.CHUNK))) - 1 for n in lens)
+
+
+def cp_cache_numel(n_tok, n_seq, h_v: int, dk: int, dv: int):
+    """Elements of the forward's context-parallel cache (fp32, 1-D) for a forward that a backward follows:
+    an upper bound, from shapes alone, on what any plan of ``n_seq`` sequences of ``n_tok`` tokens in all
+    needs (:func:`_cp_cache_views`), so that ``qla::chunk_gdr_fwd`` has no data-dependent output size; 0
+    where no plan splits (more than ``_CP_MAX_HEADS`` v-heads). ``n_tok`` and ``n_seq`` may be SymInts.
+
+    A plan has one piece per sequence plus at most ``sum(chunks) // 8`` more (pieces are at least 8 chunks)
+    and at most ``_CP_MAX_EXTRA_PIECE_HEADS // h_v`` more (``_cp_plan``); each piece holds K x V + K x K
+    fp32 values and one int32 per v-head."""
+    if h_v > _CP_MAX_HEADS:
+        return 0
+    chunks = n_tok // gdr_fwd.CHUNK + n_seq  # a bound on the chunks of all sequences
+    extra = torch.sym_min(_CP_MAX_EXTRA_PIECE_HEADS // h_v, chunks // cp_fwd.MIN_PIECE_CHUNKS)
+    return (n_seq + extra) * h_v * (dk * dv + dk * dk + 1)
+
+
 def _check_context_parallel(context_parallel):
     if context_parallel is not None and context_parallel is not False and (
             isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1):
@@ -188,6 +214,8 @@ def _cp_plan(context_parallel, cu_seqlens, batch, seqlen, h_v, device, backward)
     if context_parallel is None:
         n_sm = torch.cuda.get_device_properties(device).multi_processor_count
         chunks = cp_fwd.piece_chunks(lens, h_v, n_sm, backward)
+        while chunks is not None and _extra_pieces(lens, chunks) * h_v > _CP_MAX_EXTRA_PIECE_HEADS:
+            chunks *= 2  # within what cp_cache_numel provides for
     else:
         chunks = context_parallel
     if chunks is None or max(lens) <= chunks * gdr_fwd.CHUNK:
@@ -234,28 +262,53 @@ def _block_dv(n_ctas, dv):
 
 
 def _cp_cache_views(cache, n_p, h_v, dk, dv):
-    """``(h0p, m, skip)`` of a context-parallel cache (one flat fp32 tensor): the pieces' initial states
-    fp32 ``[P, H_v, K, V]``, their transitions fp32 ``[P, H_v, K, K]`` and skip table int32 ``[P, H_v]``;
-    None when ``cache`` does not hold P pieces."""
-    a, b = n_p * h_v * dk * dv, n_p * h_v * dk * dk
-    if cache is None or cache.numel() != a + b + n_p * h_v:
+    """``(h0p, m, skip)`` of a context-parallel cache (the leading elements of one flat fp32 tensor): the
+    pieces' initial states fp32 ``[P, H_v, K, V]``, their transitions fp32 ``[P, H_v, K, K]`` and skip table
+    int32 ``[P, H_v]``; None when ``cache`` is too small for P pieces."""
+    a, b, c = n_p * h_v * dk * dv, n_p * h_v * dk * dk, n_p * h_v
+    if cache is None or cache.numel() < a + b + c:
         return None
     return (cache[:a].view(n_p, h_v, dk, dv), cache[a:a + b].view(n_p, h_v, dk, dk),
-            cache[a + b:].view(torch.int32).view(n_p, h_v))
+            cache[a + b:a + b + c].view(torch.int32).view(n_p, h_v))
 
 
-def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces, backward=False):
+# The plan each live context-parallel cache was filled for (None: not filled), by its address, so that a
+# backward uses a cache only for the plan it holds (a forward captured before the sequence lengths were
+# known runs unsplit, and its backward may know them).
+_CACHE_PLANS: dict = {}
+_CACHE_PLANS_SIZE = 4096
+
+
+def _record_cache_plan(cache, pieces):
+    if len(_CACHE_PLANS) >= _CACHE_PLANS_SIZE:
+        _CACHE_PLANS.clear()  # a backward whose record is gone recomputes what the cache held
+    _CACHE_PLANS[cache.data_ptr()] = pieces
+
+
+def cached_plan_views(cache, pieces, h_v, dk, dv):
+    """The :func:`_cp_cache_views` of a forward's ``cache`` when that forward filled it for ``pieces``, else
+    None."""
+    if cache is None or cache.numel() == 0 or _CACHE_PLANS.get(cache.data_ptr()) is not pieces:
+        return None
+    return _cp_cache_views(cache, pieces.order.numel(), h_v, dk, dv)
+
+
+def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces, backward=False, cache=None):
     """Every piece's initial state from ``cp_fwd``, for the :class:`_Pieces` ``pieces`` (``tt, gb, bad`` from
     ``gdr_fwd.kkt_inverse``): ``(h0p, block_dv, skip,
     m, cache)``, h0p fp32 ``[P, H_v, K, V]``; ``skip`` and the transitions ``m`` as the transition kernel left
-    them (M formed where ``skip < 0``); ``cache`` the flat tensor they are views of (:func:`_cp_cache_views`).
+    them (M formed where ``skip < 0``); ``cache`` the flat tensor they are views of (:func:`_cp_cache_views`):
+    the given one where it is large enough, else a new one.
     With ``backward`` M is also formed for the last piece of a sequence with several (the backward's reverse
     scan needs M of every piece but the first)."""
     h_v, dk, dv = v3.shape[1], k3.shape[2], v3.shape[2]
     n_p = pieces.order.numel()
     f32 = dict(device=q3.device, dtype=torch.float32)
-    cache = torch.empty(n_p * h_v * (dk * dv + dk * dk + 1), **f32)
-    h0p, m, skip = _cp_cache_views(cache, n_p, h_v, dk, dv)
+    views = _cp_cache_views(cache, n_p, h_v, dk, dv)
+    if views is None:
+        cache = torch.empty(n_p * h_v * (dk * dv + dk * dk + 1), **f32)
+        views = _cp_cache_views(cache, n_p, h_v, dk, dv)
+    h0p, m, skip = views
     final = pieces.final_bwd if backward else pieces.final_fwd
     cp_fwd.warmup_plan()(gb, bad, pieces.offsets, final, skip)
     e = torch.empty(n_p, h_v, dk, dv, **f32)
@@ -268,11 +321,11 @@ def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
     return h0p, bv, skip, m, cache
 
 
-def _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, pieces, for_backward):
+def _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, pieces, for_backward, cache=None):
     """The fused forward over the :class:`_Pieces` ``pieces``, their initial states from ``cp_fwd``:
     ``(o, final_state, cache)`` (``cache`` as ``_piece_initial_states`` with ``backward=for_backward``)."""
     h0p, bv, _, _, cache = _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
-                                                 for_backward)
+                                                 for_backward, cache)
     o = torch.empty_like(v3)
     ht = torch.empty(pieces.seq_pieces.numel() - 1, *h0p.shape[1:], device=h0p.device, dtype=h0p.dtype)
     fused_fwd.chunk_fwd_ws(dk=k3.shape[2], dv=v3.shape[2], dtype=dtype, has_h0=True, block_dv=bv)(
@@ -292,9 +345,10 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     With ``use_qk_l2norm`` the kernels see the normalised q, k (done here with torch ops).
     ``context_parallel``: None chooses (``cp_fwd.piece_chunks``, with ``for_backward`` the rule of a forward
     and backward pair), False never splits, an int splits every longer sequence into pieces of that many
-    chunks. ``cp_cache``: when the forward ran context-parallel and ``for_backward``, the pieces' initial
-    states, transitions and skip table as one flat fp32 tensor (``_cp_cache_views``; the transitions formed
-    for a backward, so it skips that plan); else empty.
+    chunks. ``cp_cache``: with ``for_backward``, a flat fp32 tensor of :func:`cp_cache_numel` elements (a size
+    known from shapes) that holds, when the forward ran context-parallel, the pieces' initial states,
+    transitions and skip table (``_cp_cache_views``; the transitions formed for a backward, so it skips that
+    plan; :func:`cached_plan_views` tells a backward whether and for which plan it was filled); else empty.
     Tokens after ``cu_seqlens[-1]`` are not written.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
@@ -307,12 +361,15 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     n_tok = B * T
     n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
     tt, gb, bad = _chunk_tables(n_tok, n_seq, h_v, q.device)
-    no_cache = torch.empty(0, device=q.device, dtype=torch.float32)
+    cache = torch.empty(cp_cache_numel(n_tok, n_seq, h_v, dk, dv) if for_backward else 0, device=q.device,
+                        dtype=torch.float32)
+    if cache.numel():
+        _record_cache_plan(cache, None)
     if n_tok == 0:
         ht = torch.zeros(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
         if initial_state is not None:
             ht.copy_(initial_state)
-        return v.new_empty(v.shape), ht, tt, gb, torch.zeros(n_seq + 1, device=q.device, dtype=torch.int32), no_cache
+        return v.new_empty(v.shape), ht, tt, gb, torch.zeros(n_seq + 1, device=q.device, dtype=torch.int32), cache
     q3 = q.reshape(n_tok, h_qk, dk).contiguous()
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
@@ -321,15 +378,18 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
 
     cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device, for_backward)
     if cp is not None:
-        o, ht, cache = _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, cp, for_backward)
-        return o.view(B, T, h_v, dv), ht, tt, gb, offsets, (cache if for_backward else no_cache)
+        o, ht, filled = _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, cp, for_backward, cache)
+        if for_backward:  # an explicit context_parallel may need more than the chosen plans' bound
+            cache = filled
+            _record_cache_plan(cache, cp)
+        return o.view(B, T, h_v, dv), ht, tt, gb, offsets, cache
     has_h0 = initial_state is not None
     h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
     kernel = fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=_block_dv(n_seq * h_v, dv))
     kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], h0, float(scale), o, ht)  # cu[:1] = [0]: walk n to row n
-    return o.view(B, T, h_v, dv), ht, tt, gb, offsets, no_cache
+    return o.view(B, T, h_v, dv), ht, tt, gb, offsets, cache
 
 
 def chunk_gdr_fwd_hopper(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,

@@ -22,9 +22,9 @@ import heapq
 
 import torch
 
-from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _chunk_tables, _cp_cache_views, _cp_plan,
-               _gate_inverse, _host_lengths, _n_slots, _piece_initial_states, _state_arg, _tables, cp_fwd, fused_bwd,
-               fused_fwd, gdr_bwd, gdr_fwd)
+from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _chunk_tables, _cp_plan, _gate_inverse,
+               _host_lengths, _n_slots, _piece_initial_states, _state_arg, _tables, cached_plan_views, cp_fwd,
+               fused_bwd, fused_fwd, gdr_bwd, gdr_fwd)
 
 CHUNK = gdr_fwd.CHUNK
 
@@ -244,8 +244,8 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     or None; cu_seqlens ``[N+1]`` (B == 1) or None; ``context_parallel`` as for the forward (it splits
     the state recompute and the reverse pass); ``aux``: ``(tt, gb)`` from ``chunk_gdr_fwd_hopper_aux`` on the
     same q, k, g, beta and cu_seqlens, used instead of recomputing them, or ``(tt, gb, cp_cache)`` with its
-    context-parallel cache too (from a forward with the same ``context_parallel``; used when this call's plan
-    has as many pieces, an empty one is ignored). dq, dk, dv come back in q's dtype, dg
+    context-parallel cache too (used when the forward filled it for this call's plan,
+    ``kernels.cached_plan_views``). dq, dk, dv come back in q's dtype, dg
     and dbeta in g's and beta's dtypes, dh0 fp32 (None without an initial state). Tokens past
     ``cu_seqlens[-1]`` get zero gradients.
     """
@@ -273,7 +273,7 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     cp_cache = aux[2] if aux is not None and len(aux) == 3 else None
     cp = _cp_plan(context_parallel, cu_seqlens, B, T_, h_v, dev, backward=True)
     # the views of the forward's context-parallel cache, when it holds this plan's pieces
-    cached = None if cp is None else _cp_cache_views(cp_cache, cp.order.numel(), h_v, dk, dv)
+    cached = None if cp is None else cached_plan_views(cp_cache, cp, h_v, dk, dv)
     if aux is None or (cp is not None and cached is None):
         # the gate inverse here: no aux, or a plan to make without the forward's contraction flags
         tt, gb, bad = _chunk_tables(n_tok, n_seq, h_v, dev)

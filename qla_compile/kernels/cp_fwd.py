@@ -29,7 +29,7 @@ from .gdr_fwd import CHUNK
 
 # log of the state decay over a warm-up window that lets the piece's transition M be dropped
 _WARMUP_LOG_DECAY = -10.0
-_MIN_PIECE_CHUNKS = 8
+MIN_PIECE_CHUNKS = 8
 _SCAN_BLOCK_DV = 32
 _NO_CHUNKS = 1 << 30  # skip value of a sequence's last piece: its E and M are not needed
 
@@ -52,7 +52,7 @@ def piece_chunks(lens, h_v: int, n_sm: int, backward: bool = False):
     if longest == 0:
         return None
     be_h = total / longest * h_v
-    chunks = max(_MIN_PIECE_CHUNKS, 2 ** round(math.log2(4.5 * math.sqrt(h_v * total / n_sm))))
+    chunks = max(MIN_PIECE_CHUNKS, 2 ** round(math.log2(4.5 * math.sqrt(h_v * total / n_sm))))
     if backward:
         on = longest >= 2 * chunks and (be_h <= 24 or (be_h <= 60 and longest >= 64))
     else:

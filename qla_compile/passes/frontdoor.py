@@ -9,13 +9,22 @@ the objects the layers really call: a transformers layer looks its module-level 
 and that name is bound to the ``use_kernel_func_from_hub_with_fallback`` wrapper, so we register the wrapper
 and every function below it along ``__wrapped__``.  Modules imported after a registration are picked up by
 the next ``register_substitutions()`` call, which ``qla_compile.backend`` makes before every compiled call.
+
+**Never the unrolled loop.**  Should dynamo fail to trace a substitute (a graph break inside it), it calls
+the original eagerly at the break and then traces the original's own frame: the chunk loop, unrolled, one
+recompile per length.  So each plain function we register (no closure) also gets its code swapped for a
+trampoline with the same signature that calls :func:`route`: while dynamo traces, or when the call runs
+eagerly inside compiled code, that is the substitute (our op, in a graph or eagerly after a logged graph
+break); otherwise the function's own body, unchanged (:func:`eager_body`).
 """
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import sys
 import threading
+import types
 
 import torch
 
@@ -25,6 +34,7 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _registered: dict[int, tuple[object, str]] = {}  # id(original) -> (original kept alive, "module.attribute")
+_routes: dict[str, tuple[types.FunctionType, object]] = {}  # route key -> (the original's own body, substitute)
 _modules_seen = -1
 
 
@@ -60,11 +70,55 @@ def register_substitutions(import_all: bool = False) -> list[str]:
                     continue
                 name = f"{known.module}.{known.attribute}"
                 torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(known.substitute)
+                _take_code(fn, known.substitute)
                 _registered[id(fn)] = (fn, name)
                 added.append(name)
     for name in added:
         log.info("qla_compile: dynamo substitution registered for %s", name)
     return added
+
+
+def route(key: str, *args, **kwargs):
+    """The trampoline's target (see the module docstring): the substitute while dynamo traces or compiled code
+    runs, else the original's own body."""
+    body, substitute = _routes[key]
+    if torch.compiler.is_compiling() or torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None:
+        return substitute(*args, **kwargs)
+    return body(*args, **kwargs)
+
+
+def _route_key(fn) -> str:
+    return f"{fn.__module__}.{fn.__qualname__}#{id(fn)}"
+
+
+def _take_code(fn, substitute) -> None:
+    """Swap ``fn``'s code for a trampoline to :func:`route` (same parameters; defaults stay on ``fn``), for plain
+    Python functions; closures and C functions keep their code."""
+    if not isinstance(fn, types.FunctionType) or fn.__closure__ or fn.__code__.co_flags & (
+            inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR):
+        return
+    key = _route_key(fn)
+    signature = inspect.signature(fn, follow_wrapped=False)
+    bare = signature.replace(parameters=[p.replace(default=p.empty, annotation=p.empty)
+                                         for p in signature.parameters.values()], return_annotation=signature.empty)
+    forward = {inspect.Parameter.VAR_POSITIONAL: "*{}", inspect.Parameter.KEYWORD_ONLY: "{0}={0}",
+               inspect.Parameter.VAR_KEYWORD: "**{}"}
+    call = ", ".join(forward.get(p.kind, "{}").format(p.name) for p in signature.parameters.values())
+    source = (f"def {fn.__name__}{bare}:\n"
+              f"    from qla_compile.passes.frontdoor import route as _qla_route\n"
+              f"    return _qla_route({key!r}, {call})\n")
+    namespace: dict = {}
+    exec(compile(source, f"<qla_compile front door: {fn.__module__}.{fn.__qualname__}>", "exec"), namespace)
+    body = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, None)
+    body.__kwdefaults__ = fn.__kwdefaults__
+    _routes[key] = (body, substitute)
+    fn.__code__ = namespace[fn.__name__].__code__
+
+
+def eager_body(fn):
+    """``fn`` as it was before the front door took its code (``fn`` itself where it did not)."""
+    entry = _routes.get(_route_key(fn))
+    return fn if entry is None else entry[0]
 
 
 def refresh() -> None:
