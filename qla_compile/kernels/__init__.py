@@ -152,6 +152,20 @@ class _Pieces(NamedTuple):
     chunks: int  # the piece length in 64-token chunks
 
 
+_TABLE_POOLS: dict = {}
+
+
+def lasting_copy(host, device):
+    """``host`` (a CPU tensor) copied to ``device`` for a cache that outlives the call, from a memory pool of its
+    own: a CUDA-graph tree's warm-up run (``torch.compile(mode="reduce-overhead")``) allocates from its private
+    pool and must find only its outputs alive there afterwards."""
+    key = str(device)
+    if key not in _TABLE_POOLS:
+        _TABLE_POOLS[key] = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(_TABLE_POOLS[key], device):
+        return host.to(device)
+
+
 def _piece_tables(lens, chunks, device):
     """The :class:`_Pieces` of cutting ``lens`` every ``chunks`` chunks, built once per plan (a captured call
     reuses it; None when it is not built yet and the stream is capturing)."""
@@ -168,7 +182,7 @@ def _piece_tables(lens, chunks, device):
         ht_row = [seq_of[p] if last[p] else -1 for p in range(len(last))]
         dh0_row = [seq_of[p] if first[p] else -1 for p in range(len(last))]
         rows = [cu, offs, order, seq_pieces, [int(x) for x in last], only, first, ht_row, dh0_row]
-        flat = torch.tensor([x for row in rows for x in row], dtype=torch.int32).to(device)
+        flat = lasting_copy(torch.tensor([x for row in rows for x in row], dtype=torch.int32), device)
         if len(_PIECE_TABLES) >= _CACHE_SIZE:
             _PIECE_TABLES.clear()
         _PIECE_TABLES[key] = _Pieces(*flat.split([len(row) for row in rows]), chunks)

@@ -24,7 +24,7 @@ import torch
 
 from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _chunk_tables, _cp_plan, _gate_inverse,
                _host_lengths, _n_slots, _piece_initial_states, _state_arg, _tables, cached_plan_views, cp_fwd,
-               fused_bwd, fused_fwd, gdr_bwd, gdr_fwd)
+               fused_bwd, fused_fwd, gdr_bwd, gdr_fwd, lasting_copy)
 
 CHUNK = gdr_fwd.CHUNK
 
@@ -119,7 +119,7 @@ def _grads_order(lens, chunks, h_v, n_bv, device):
             n_c = [b - a for a, b in zip(offs, offs[1:])]
         if len(_ORDERS) >= _ORDERS_SIZE:
             _ORDERS.clear()
-        _ORDERS[key] = _chunk_table(lens, _publish_order(n_c, h_v * n_bv, n_sm)).to(device)
+        _ORDERS[key] = lasting_copy(_chunk_table(lens, _publish_order(n_c, h_v * n_bv, n_sm)), device)
     return _ORDERS[key]
 
 

@@ -1,0 +1,294 @@
+"""Model-level benchmark on the GPU machine: a Qwen3-Next-shaped transformers model, as a user runs it.
+
+Paths (each in the process it needs; the ``*-fla`` paths in one where qla_compile is never imported, so
+nothing of ours is registered):
+
+* ``eager-fla``: the model as written, transformers' GDN bound to FLA's Triton kernels (``FLA_FLASH_QLA=0``);
+* ``inductor-fla``: ``torch.compile(model)`` with the same FLA kernels (a graph break at each FLA call);
+* ``qla``: ``torch.compile(model, backend=qla_compile.backend)``;
+* ``qla-reduce-overhead``: the same with ``mode="reduce-overhead"`` (CUDA graphs).
+
+Models: ``dense`` (4 layers, 3 GDN with 16 qk / 32 v heads x 128 and 1 full attention, hidden 2048, MLP 4096,
+vocab 4096, bf16, random weights) and ``moe`` (the same with 8 experts, top 2, expert MLP 1024, a shared
+expert of 1024). Kinds: ``prefill`` (no grad) and ``train`` (``logits.float().logsumexp(-1).mean()
+.backward()``). Per row: the median step time (CUDA events around ``--reps`` steps, median of
+``--rounds``), the first call's seconds (compiles, autotuning; fresh Inductor and Triton caches per
+process), graphs and graph breaks that dynamo counted while compiling at that length, and the relative L2 difference
+of the logits and of one GDN layer's ``in_proj_qkvz`` gradient from ``eager-fla``. One profiled step per
+(model, kind, path) at the first length gives the GDN op's share of the device time and the top kernels.
+
+    python bench/model.py --out $OUT [--models dense,moe] [--lengths 4096,16384,32768] [--kinds prefill,train]
+                          [--paths eager-fla,inductor-fla,qla,qla-reduce-overhead] [--profile]
+
+A run may measure some paths, models or lengths only: its rows replace those it measured in ``--out``'s
+``latest-model.json`` and keep the rest (copy the committed results there first to extend them). The
+``*-fla`` paths of a row's ratios and error columns must come from runs on the same machine.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+GROUPS = {"fla": ("eager-fla", "inductor-fla"), "qla": ("qla", "qla-reduce-overhead")}
+GDN_OPS = ("qla::chunk_gdr_fwd", "qla::chunk_gdr_bwd", "ChunkGatedDeltaRuleFunction",
+           "ChunkGatedDeltaRuleFunctionBackward")
+REF_DIR = os.path.join(tempfile.gettempdir(), "qla-model-bench-ref")
+
+
+def build(kind):
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = dict(
+        vocab_size=4096, hidden_size=2048, intermediate_size=4096, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=16, num_key_value_heads=2,
+        head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, max_position_embeddings=65536,
+    )
+    if kind == "dense":
+        cfg.update(mlp_only_layers=[0, 1, 2, 3])
+    else:
+        cfg.update(mlp_only_layers=[], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024,
+                   shared_expert_intermediate_size=1024)
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**cfg))  # the same weights in every process
+    return model.to(device="cuda", dtype=torch.bfloat16)
+
+
+def gdn_binding():
+    """What transformers' Qwen3-Next GDN function dispatches to here."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    fn = m.torch_chunk_gated_delta_rule
+    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    impl = cells.get("implementation", fn)
+    return f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__name__', '?')}"
+
+
+def compiled(model, path):
+    import torch
+
+    if path == "inductor-fla":
+        return torch.compile(model)
+    import qla_compile
+
+    qla_compile.register_substitutions()
+    mode = "reduce-overhead" if path == "qla-reduce-overhead" else None
+    return torch.compile(model, backend=qla_compile.backend, mode=mode)
+
+
+def step_fn(model, fn, ids, kind, cuda_graphs):
+    import torch
+
+    def step():
+        if cuda_graphs:  # a new iteration: the last one's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        if kind == "prefill":
+            with torch.no_grad():
+                return fn(input_ids=ids, use_cache=False).logits
+        model.zero_grad(set_to_none=True)
+        logits = fn(input_ids=ids, use_cache=False).logits
+        logits.float().logsumexp(-1).mean().backward()
+        return logits.detach()
+    return step
+
+
+def median_ms(step, reps, rounds):
+    import torch
+
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def dynamo_counts():
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+
+def profile_step(step):
+    """(GDN share of the device time, top kernels [(name, ms)]) of one step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in kernels)
+    gdn = sum(e.device_time_total for e in events if e.key in GDN_OPS)  # ops: the kernels they launched
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    top = [(e.key[:90], round(e.self_device_time_total / 1e3, 3)) for e in kernels[:12]]
+    return (gdn / total if total else None), round(total / 1e3, 3), top
+
+
+def rel_l2(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def worker(args):
+    """Run one group's paths; write rows and profiles as JSON to ``args.result``."""
+    import torch
+
+    rows, profiles = [], []
+    lengths = [int(t) for t in args.lengths.split(",")]
+    for model_kind in args.models.split(","):
+        model = build(model_kind)
+        grad_param = model.model.layers[0].linear_attn.in_proj_qkvz.weight
+        for path in GROUPS[args.worker]:
+            if path not in args.paths.split(","):
+                continue
+            torch._dynamo.reset()
+            fn = model if path == "eager-fla" else compiled(model, path)
+            for kind in args.kinds.split(","):
+                for i, T in enumerate(lengths):
+                    breaks0, graphs0 = dynamo_counts()
+                    ids = torch.randint(0, 4096, (1, T), generator=torch.Generator().manual_seed(T)).cuda()
+                    step = step_fn(model, fn, ids, kind, cuda_graphs=path == "qla-reduce-overhead")
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    logits = step()
+                    torch.cuda.synchronize()
+                    first = time.perf_counter() - start
+                    logits, grad = logits.float().cpu(), None
+                    if kind == "train":
+                        grad = grad_param.grad.float().cpu()
+                    ref = os.path.join(REF_DIR, f"{model_kind}-{T}-{kind}.pt")
+                    check = {}
+                    if path == "eager-fla":
+                        torch.save((logits, grad), ref)
+                    elif os.path.exists(ref):
+                        ref_logits, ref_grad = torch.load(ref)
+                        check["logits_vs_eager_fla"] = rel_l2(logits, ref_logits)
+                        if grad is not None:
+                            check["grad_vs_eager_fla"] = rel_l2(grad, ref_grad)
+                    del logits, grad
+                    step()  # a second warm-up (CUDA-graph paths record here)
+                    ms = median_ms(step, args.reps, args.rounds)
+                    breaks, graphs = dynamo_counts()
+                    rows.append(dict(model=model_kind, T=T, kind=kind, path=path, ms=round(ms, 3),
+                                     first_call_s=round(first, 2), graph_breaks=breaks - breaks0,
+                                     graphs=graphs - graphs0, **{k: float(f"{v:.3e}") for k, v in check.items()}))
+                    print(json.dumps(rows[-1]), flush=True)
+                    if i == 0 and args.profile:
+                        share, total_ms, top = profile_step(step)
+                        share = None if path == "qla-reduce-overhead" else share  # kernels replayed, no ops
+                        profiles.append(dict(model=model_kind, T=T, kind=kind, path=path, gdn_share=share,
+                                             device_ms=total_ms, top=top))
+                    del step, ids
+                    torch.cuda.empty_cache()
+            del fn
+        del model, grad_param
+        torch.cuda.empty_cache()
+    meta = {"transformers_gdn": gdn_binding()}
+    with open(args.result, "w") as f:
+        json.dump(dict(rows=rows, profiles=profiles, meta=meta), f)
+
+
+def render(rows, profiles, meta):
+    lines = [f"# Model level, {meta['gpu']}, {datetime.date.today().isoformat()}", "",
+             "Qwen3-Next-shaped transformers model (bench/model.py): median step ms, first call s, graphs and "
+             "graph breaks dynamo counted while compiling at that length, relative L2 of logits / in_proj_qkvz "
+             "grad vs eager-fla.", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), "",
+             f"transformers' GDN function dispatches to: {meta['transformers_gdn']}", "",
+             "| model | T | kind | path | ms | vs eager-fla | vs inductor-fla | first call s | graphs | breaks | "
+             "logits err | grad err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["model"], r["T"], r["kind"], r["path"]): r["ms"] for r in rows}
+    for r in rows:
+        key = (r["model"], r["T"], r["kind"])
+        ratio = lambda p: f"{base[(*key, p)] / r['ms']:.2f}" if (*key, p) in base else "-"
+        lines.append(f"| {r['model']} | {r['T']} | {r['kind']} | {r['path']} | {r['ms']} | {ratio('eager-fla')} | "
+                     f"{ratio('inductor-fla')} | {r['first_call_s']} | {r['graphs']} | {r['graph_breaks']} | "
+                     f"{r.get('logits_vs_eager_fla', '-')} | {r.get('grad_vs_eager_fla', '-')} |")
+    lines += ["", "## Where the time goes (one profiled step at the first length)", ""]
+    for p in profiles:
+        share = "n/a (CUDA graph)" if p["gdn_share"] is None else f"{100 * p['gdn_share']:.1f}%"
+        lines.append(f"- {p['model']} {p['kind']} T={p['T']} {p['path']}: device {p['device_ms']} ms, GDN ops {share}; "
+                     "top kernels: " + "; ".join(f"{n} {ms}" for n, ms in p["top"][:8]))
+    return "\n".join(lines) + "\n"
+
+
+def merged(out, rows, profiles):
+    """``rows`` and ``profiles`` with those of earlier runs in ``out`` that this run did not measure (a run may
+    cover some paths, models or lengths only)."""
+    key = lambda r: (r["model"], r["T"], r["kind"], r["path"])
+    for name, new in (("latest-model.json", rows), ("latest-model-profiles.json", profiles)):
+        path = os.path.join(out, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                done = {key(r) for r in new}
+                new += [r for r in json.load(f) if key(r) not in done]
+    order = {p: i for i, p in enumerate(GROUPS["fla"] + GROUPS["qla"])}
+    for new in (rows, profiles):
+        new.sort(key=lambda r: (r["model"], r["kind"], r["T"], order[r["path"]]))
+    return rows, profiles
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--models", default="dense,moe")
+    ap.add_argument("--lengths", default="4096,16384,32768")
+    ap.add_argument("--kinds", default="prefill,train")
+    ap.add_argument("--paths", default=",".join(GROUPS["fla"] + GROUPS["qla"]))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--worker", choices=sorted(GROUPS))
+    ap.add_argument("--result")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(REF_DIR, exist_ok=True)
+    rows, profiles, meta = [], [], {}
+    for group in [g for g, paths in GROUPS.items() if set(paths) & set(args.paths.split(","))]:
+        result = os.path.join(args.out, f"model-{group}.json")
+        env = {**os.environ, "FLA_FLASH_QLA": "0", "QLA_FLA_BACKEND": "0" if group == "fla" else "1",
+               "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(), "TRITON_CACHE_DIR": tempfile.mkdtemp()}
+        cmd = [sys.executable, __file__, "--worker", group, "--result", result] + [
+            f"--{k}={getattr(args, k)}" for k in ("models", "lengths", "kinds", "paths", "reps", "rounds")] + (
+            ["--profile"] if args.profile else [])
+        subprocess.run(cmd, env=env, check=True)
+        with open(result) as f:
+            part = json.load(f)
+        rows += part["rows"]
+        profiles += part["profiles"]
+        meta.update(part["meta"])
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench.common import versions
+
+    meta["versions"] = versions()
+    import transformers
+
+    meta["versions"]["transformers"] = transformers.__version__
+    meta["gpu"] = meta["versions"]["gpu"]
+    rows, profiles = merged(args.out, rows, profiles)
+    with open(os.path.join(args.out, "latest-model.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(args.out, "latest-model-profiles.json"), "w") as f:
+        json.dump(profiles, f, indent=1)
+    with open(os.path.join(args.out, f"{datetime.date.today().isoformat()}-model.md"), "w") as f:
+        f.write(render(rows, profiles, meta))
+    print(render(rows, profiles, meta))
+
+
+if __name__ == "__main__":
+    main()
