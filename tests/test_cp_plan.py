@@ -127,3 +127,30 @@ def test_chunk_table():
     lens = [130, 0, 64, 1]  # chunks of 64, 64, 2 | - | 64 | 1
     rows = _chunk_table(lens, torch.tensor([4, 0, 2, 3, 1])).tolist()
     assert rows == [[4, 194, 1, 0], [0, 0, 64, 0], [2, 128, 2, 0], [3, 130, 64, 0], [1, 64, 64, 0]]
+
+
+def test_cache_bound_holds_every_chosen_plan(cp, monkeypatch):
+    """``cp_cache_numel`` (from shapes alone: the size of the forward's context-parallel cache output) is at least
+    what the plan ``_cp_plan`` chooses for any sequence lengths needs, with or without a backward, also for
+    sequences long enough that the plan takes a longer piece length to stay within it."""
+    import random
+
+    from qla_compile import kernels
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 132}))
+    rng = random.Random(0)
+    capped = 0
+    for _ in range(400):
+        lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(1, 600_000)]) for _ in range(rng.randint(1, 10))]
+        h_v = rng.choice([1, 2, 4, 8, 16, 24, 32, 48, 60])
+        for backward in (False, True):
+            cu = torch.tensor([0] + lens).cumsum(0)
+            plan = kernels._cp_plan(None, cu, 1, int(cu[-1]), h_v, torch.device("cpu"), backward)
+            if plan is None:
+                continue
+            n_p = plan.order.numel()
+            need = n_p * h_v * (128 * 128 * 2 + 1)
+            assert need <= kernels.cp_cache_numel(sum(lens), len(lens), h_v, 128, 128), (lens, h_v, backward)
+            capped += plan.chunks > cp.piece_chunks(lens, h_v, 132, backward)
+    assert capped  # some lengths were long enough for the cap to apply

@@ -159,6 +159,8 @@ def lasting_copy(host, device):
     """``host`` (a CPU tensor) copied to ``device`` for a cache that outlives the call, from a memory pool of its
     own: a CUDA-graph tree's warm-up run (``torch.compile(mode="reduce-overhead")``) allocates from its private
     pool and must find only its outputs alive there afterwards."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
     key = str(device)
     if key not in _TABLE_POOLS:
         _TABLE_POOLS[key] = torch.cuda.MemPool()
