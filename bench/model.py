@@ -121,7 +121,7 @@ def dynamo_counts():
 
 
 def profile_step(step):
-    """(GDN share of the device time, top kernels [(name, ms)]) of one step."""
+    """(ms of the GDN ops' kernels, ms of all kernels, the top kernels [(name, ms)]) of one step."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -134,7 +134,7 @@ def profile_step(step):
     gdn = sum(e.device_time_total for e in events if e.key in GDN_OPS)  # ops: the kernels they launched
     kernels.sort(key=lambda e: -e.self_device_time_total)
     top = [(e.key[:90], round(e.self_device_time_total / 1e3, 3)) for e in kernels[:12]]
-    return (gdn / total if total else None), round(total / 1e3, 3), top
+    return gdn / 1e3, total / 1e3, top
 
 
 def rel_l2(x, ref):
@@ -187,10 +187,10 @@ def worker(args):
                                      graphs=graphs - graphs0, **{k: float(f"{v:.3e}") for k, v in check.items()}))
                     print(json.dumps(rows[-1]), flush=True)
                     if i == 0 and args.profile:
-                        share, total_ms, top = profile_step(step)
-                        share = None if path == "qla-reduce-overhead" else share  # kernels replayed, no ops
+                        gdn_ms, total_ms, top = profile_step(step)
+                        share = None if path == "qla-reduce-overhead" else gdn_ms / total_ms  # replays: no ops
                         profiles.append(dict(model=model_kind, T=T, kind=kind, path=path, gdn_share=share,
-                                             device_ms=total_ms, top=top))
+                                             device_ms=round(total_ms, 3), top=top))
                     del step, ids
                     torch.cuda.empty_cache()
             del fn

@@ -1,15 +1,22 @@
 """Which implementation runs a call: decided from host-known facts only (device, arch, dtype, shapes).
 
 - ``"hopper"``: the TileLang kernels in ``qla_compile.kernels`` (SM90, bf16/fp16, K = V = 128);
+- ``"fla"``: FLA's ``chunk_gated_delta_rule`` (its Triton kernels), for CUDA calls our kernels do not serve
+  when FLA is installed: never slower than what the user had;
 - ``"reference"``: the chunked PyTorch implementation in ``qla_compile.reference`` (everything else).
 
+Each fallback says so once in the log, and :func:`choices` counts what ran and why (``qla_compile.explain``).
 FLA's layer options (gate-in-kernel, beta sigmoid, ``state_v_first``) are applied around the kernels
 with torch ops. Set ``QLA_FORCE_REFERENCE=1`` to run the reference everywhere (debugging).
 Nothing here reads device data, so a dense call stays CUDA-graph capturable.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
+import importlib.util
+import logging
 import os
 
 import torch
@@ -23,6 +30,9 @@ from .reference import (
     chunk_gdr_fwd_reference,
 )
 
+log = logging.getLogger(__name__)
+_choices: collections.Counter = collections.Counter()  # (implementation, reason) -> calls and traces
+
 
 @functools.cache
 def _kernels():
@@ -34,12 +44,46 @@ def _kernels():
     return kernels
 
 
-def select(q, k, v) -> str:
-    """The implementation that runs for these inputs: ``"hopper"`` or ``"reference"``."""
-    if os.environ.get("QLA_FORCE_REFERENCE") == "1" or q.device.type != "cuda":
-        return "reference"
+@functools.cache
+def fla_op():
+    """FLA's ``chunk_gated_delta_rule``, or None where FLA is not installed (imported on first use only)."""
+    if importlib.util.find_spec("fla") is None:
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception as exc:  # noqa: BLE001  (an FLA that does not import here is no FLA)
+        log.warning("qla_compile: FLA is installed but does not import (%s); not using it", exc)
+        return None
+    return chunk_gated_delta_rule
+
+
+def choose(q, k, v) -> tuple[str, str]:
+    """``(implementation, why)`` for these inputs: ``"hopper"``, ``"fla"`` or ``"reference"``."""
+    if os.environ.get("QLA_FORCE_REFERENCE") == "1":
+        return "reference", "QLA_FORCE_REFERENCE=1"
     kernels = _kernels()
-    return "hopper" if kernels is not None and kernels.hopper_supported(q, k, v) else "reference"
+    why = "TileLang is not importable" if kernels is None else kernels.unsupported(q, k, v)
+    if why is None:
+        return "hopper", "our Hopper kernels (SM90, bf16/fp16, K = V = 128)"
+    if q.device.type == "cuda" and fla_op() is not None:
+        return "fla", f"our Hopper kernels do not take {why}; FLA's kernels run"
+    return "reference", f"our Hopper kernels do not take {why}; the PyTorch reference runs" + (
+        "" if q.device.type != "cuda" else " (install fla-core for FLA's kernels)")
+
+
+def select(q, k, v) -> str:
+    """The implementation that runs for these inputs (:func:`choose`); counted, and a fallback on a GPU logged
+    once."""
+    impl, why = choose(q, k, v)
+    if impl != "hopper" and q.device.type == "cuda" and (impl, why) not in _choices:
+        log.warning("qla_compile: %s", why)
+    _choices[impl, why] += 1
+    return impl
+
+
+def choices() -> collections.Counter:
+    """How often each ``(implementation, why)`` was chosen in this process (traces included)."""
+    return collections.Counter(_choices)
 
 
 def _state_to_kv(state, opts: GDROptions):
@@ -53,9 +97,9 @@ def aux_like(q, k, v, cu_seqlens):
     """Uninitialised tensors shaped like the forward's aux ``(tt, gb)``: the Hopper forward's T~ (fp16
     ``[n_slots, H_v, 64, 64]``) and [gamma; beta] (fp32 ``[n_slots, H_v, 2, 64]``) with
     ``n_slots = B*T // 64 + N``, flattened to 1-D (a dimension that may be 1, like n_slots, would cost a
-    torch.compile guard and a recompile); no elements on the reference path, whose backward recomputes."""
+    torch.compile guard and a recompile); no elements on the other paths, whose backward recomputes."""
     rows = 0
-    if select(q, k, v) == "hopper":
+    if choose(q, k, v)[0] == "hopper":
         n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         rows = (q.shape[0] * q.shape[1] // CHUNK + n_seq) * v.shape[2] * CHUNK
     return v.new_empty(rows * CHUNK, dtype=torch.float16), v.new_empty(rows * 2, dtype=torch.float32)
@@ -66,7 +110,7 @@ def cp_cache_like(q, k, v, cu_seqlens, for_backward: bool):
     backward, :func:`kernels.cp_cache_numel` elements, a bound from shapes alone on what its context-parallel
     plan keeps (so the op has no data-dependent output size), else none."""
     n = 0
-    if for_backward and select(q, k, v) == "hopper":
+    if for_backward and choose(q, k, v)[0] == "hopper":
         n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         n = _kernels().cp_cache_numel(q.shape[0] * q.shape[1], n_seq, v.shape[2], k.shape[3], v.shape[3])
     return v.new_empty(n, dtype=torch.float32)
@@ -77,8 +121,10 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: G
     Hopper forward's context-parallel cache (``kernels.chunk_gdr_fwd_hopper_aux``; sized as
     :func:`cp_cache_like`, filled when the forward split; empty when ``for_backward`` is false, which also
     picks the forward-only splitting rule)."""
-    if select(q, k, v) == "reference":
-        o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+    impl = select(q, k, v)
+    if impl != "hopper":
+        run = _fla_forward if impl == "fla" else chunk_gdr_fwd_reference
+        o, ht = run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
         return o, ht, *aux_like(q, k, v, cu_seqlens), q.new_empty(0, dtype=torch.float32)
     g, beta = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
     o, ht, tt, gb, _, cp_cache = _kernels().chunk_gdr_fwd_hopper_aux(
@@ -91,8 +137,10 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: G
 def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions, aux=None):
     """Every input gradient; ``aux``: the forward's flat ``(tt, gb, cp_cache)``, used on the Hopper path (None
     there recomputes them)."""
-    if select(q, k, v) == "reference":
-        return chunk_gdr_bwd_reference(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+    impl = select(q, k, v)
+    if impl != "hopper":
+        run = _fla_backward if impl == "fla" else chunk_gdr_bwd_reference
+        return run(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
     kernels = _kernels()
     from .kernels.backward import chunk_gdr_bwd_hopper
 
@@ -112,3 +160,47 @@ def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
     if dh0 is not None:
         dh0 = (dh0.mT if opts.state_v_first else dh0).contiguous().to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
+
+
+def _fla_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions):
+    return fla_op()(
+        q, k, v, g, beta, scale=opts.scale, initial_state=initial_state, output_final_state=True,
+        use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=opts.allow_neg_eigval, state_v_first=opts.state_v_first, cu_seqlens=cu_seqlens,
+        use_gate_in_kernel=opts.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+    )
+
+
+def _fla_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions):
+    """``(o, final_state)`` from FLA's op (the op's implementation runs below autograd: no graph recorded)."""
+    o, ht = _fla_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+    return o.to(v.dtype), ht.float()
+
+
+def _fla_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions):
+    """Every input gradient through FLA's own backward, its forward run again under autograd (the forward keeps
+    nothing of FLA's for it)."""
+    inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    with _recording():
+        leaves = [None if x is None else x.detach().requires_grad_() for x in inputs]
+        o, ht = _fla_call(*leaves, cu_seqlens, opts)
+        outs, grads_out = [o], [do.to(o.dtype)]
+        if dht is not None:
+            outs.append(ht)
+            grads_out.append(dht.to(ht.dtype))
+        present = [x for x in leaves if x is not None]
+        grads = iter(torch.autograd.grad(outs, present, grads_out, allow_unused=True))
+    return tuple(None if x is None else _or_zeros(next(grads), x) for x in leaves)
+
+
+@contextlib.contextmanager
+def _recording():
+    """Autograd recording within an op's implementation, which the dispatcher runs with autograd excluded."""
+    with torch.enable_grad(), torch._C._PreserveDispatchKeyGuard():
+        for key in (torch._C.DispatchKey.ADInplaceOrView, torch._C.DispatchKey.AutogradFunctionality):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+        yield
+
+
+def _or_zeros(grad, like):
+    return torch.zeros_like(like) if grad is None else grad

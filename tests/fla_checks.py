@@ -98,5 +98,91 @@ def check_layer():
     print(f"layer OK: {report.summary()}")
 
 
+def check_registry():
+    """Our backend is in FLA's registry ahead of FlashQLA whichever package is imported first, and importing
+    qla_compile does not import FLA."""
+    import subprocess
+
+    code = {
+        "qla first": "import qla_compile, sys; assert 'fla' not in sys.modules; import fla",
+        "fla first": "import fla, qla_compile",
+    }
+    for order, imports in code.items():
+        out = subprocess.run([sys.executable, "-c", imports + "; from fla.backends import _operation_registries as r;"
+                              " print(sorted((b.priority, t) for t, b in r['gated_delta_rule']._backends.items()))"],
+                             capture_output=True, text=True, check=True)
+        ranked = [name for _, name in eval(out.stdout.strip().splitlines()[-1])]
+        assert "qla_compile" in ranked and ranked.index("qla_compile") < ranked.index("flash_qla"), (order, ranked)
+    print("registry OK")
+
+
+def _backend():
+    import fla  # noqa: F401
+    from fla.backends import _operation_registries
+
+    return _operation_registries["gated_delta_rule"]._backends["qla_compile"]
+
+
+def check_verifier():
+    """What the verifier accepts and declines, with FLA's layer options, and the switch that turns it off."""
+    import os
+
+    from qla_compile import dispatch
+
+    backend = _backend()
+    verify = lambda kw, **extra: backend.verify("chunk_gated_delta_rule", **kw, **extra)
+    layer = make_inputs(T=70, H=2, HV=4, K=16, V=16, l2norm=True, gate_in_kernel=True, beta_sigmoid=True,
+                        initial_state=True, state_v_first=True, cu_seqlens=[0, 30, 70], seed=1)
+    ok, why = verify(layer)
+    assert not ok and "qla_compile: our Hopper kernels do not take tensors on cpu" in why, why
+    real = dispatch.choose
+    dispatch.choose = lambda q, k, v: ("hopper", "simulated")
+    try:
+        assert verify(layer) == (True, None)
+        assert verify(layer, output_final_state=True, chunk_size=32) == (True, None)
+        assert verify(layer, cp_context=object())[1].startswith("qla_compile does not take FLA's inter-card")
+        assert "['transpose_state_layout']" in verify(layer, transpose_state_layout=True)[1]
+        assert not verify(layer, chunk_size=128)[0]
+    finally:
+        dispatch.choose = real
+    assert backend.is_enabled()
+    os.environ["FLA_QLA_COMPILE"] = "0"
+    assert not backend.is_enabled()
+    del os.environ["FLA_QLA_COMPILE"]
+    print("verifier OK")
+
+
+def check_fla_calls_our_op():
+    """An accepted call of FLA's public op runs our op, with every option of FLA's layers (on the CPU our op takes
+    its reference path, checked against the float64 oracle)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from torch.profiler import ProfilerActivity, profile
+
+    backend = _backend()
+    type(backend).chunk_gated_delta_rule_verifier = lambda self, *a, **kw: (True, None)  # as on an SM90 GPU
+    kw = make_inputs(T=70, H=2, HV=4, K=16, V=16, l2norm=True, gate_in_kernel=True, beta_sigmoid=True,
+                     initial_state=True, state_v_first=True, cu_seqlens=[0, 30, 70], seed=2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        o, state = chunk_gated_delta_rule(**kw, output_final_state=True)
+    assert "qla::chunk_gdr_fwd" in {e.key for e in prof.key_averages()}
+    o_ref, state_ref = qla_compile.recurrent_gdr_reference(**kw, output_final_state=True)
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(state, state_ref) < 1e-4
+    print("fla_calls_our_op OK")
+
+
+def check_routing():
+    """With FLA installed, a CUDA call our kernels do not serve goes to FLA's op, not to the PyTorch reference."""
+    import types
+
+    from qla_compile import dispatch
+
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda"))
+    dispatch._kernels = lambda: types.SimpleNamespace(unsupported=lambda q, k, v: "head dims K = 256, V = 512")
+    impl, why = dispatch.choose(on_gpu, on_gpu, on_gpu)
+    assert impl == "fla" and why.endswith("FLA's kernels run"), (impl, why)
+    print("routing OK")
+
+
 if __name__ == "__main__":
-    {"op": check_op, "layer": check_layer}[sys.argv[1]]()
+    {"op": check_op, "layer": check_layer, "registry": check_registry, "verifier": check_verifier,
+     "fla_calls_our_op": check_fla_calls_our_op, "routing": check_routing}[sys.argv[1]]()

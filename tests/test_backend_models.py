@@ -110,13 +110,13 @@ def test_qwen3_5_matches_eager(front_door, monkeypatch):
 
 
 def test_training_forward_has_no_data_dependent_sizes_where_the_hopper_path_runs(monkeypatch):
-    """Issue 18 on the CPU: with ``dispatch.select`` answering "hopper" while tracing (fake tensors), a training
+    """Issue 18 on the CPU: with ``dispatch.choose`` answering "hopper" while tracing (fake tensors), a training
     forward of the model traces as one graph per compile under ``fullgraph=True``, and no output of our op has a
     size that depends on data (an unbacked symbol: a graph break where dynamo may not capture it)."""
     pytest.importorskip("tilelang")
-    real_select = dispatch.select
-    monkeypatch.setattr(dispatch, "select",
-                        lambda q, k, v: "hopper" if isinstance(q, FakeTensor) else real_select(q, k, v))
+    real_choose = dispatch.choose
+    monkeypatch.setattr(dispatch, "choose", lambda q, k, v: ("hopper", "tracing") if isinstance(q, FakeTensor)
+                        else real_choose(q, k, v))
     model = tiny_qwen3_next()
     qb.register_substitutions()
     inner = qb.make_backend(inductor=False)

@@ -1,4 +1,5 @@
-"""FLA's ``chunk_gated_delta_rule`` and its ``GatedDeltaNet`` layer under our backend (``fla_checks.py``).
+"""FLA's ``chunk_gated_delta_rule`` and its ``GatedDeltaNet`` layer under our backend, and our backend in FLA's
+registry (``fla_checks.py``).
 
 Each runs in a subprocess with FLA importable: in this process FLA stays off ``sys.path`` (see
 ``legacy_sources.py``).
@@ -15,7 +16,7 @@ from legacy_sources import fla_pythonpath
 TESTS = Path(__file__).resolve().parent
 
 
-@pytest.mark.parametrize("case", ["op", "layer"])
+@pytest.mark.parametrize("case", ["op", "layer", "registry", "verifier", "fla_calls_our_op", "routing"])
 def test_fla_under_backend(case):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([fla_pythonpath(), str(TESTS)])}
     out = subprocess.run([sys.executable, str(TESTS / "fla_checks.py"), case], capture_output=True, text=True,

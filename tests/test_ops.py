@@ -106,7 +106,7 @@ def test_compile_dynamic_hopper_aux(varlen, dynamic, monkeypatch):
         seen.append(aux)
         return chunk_gdr_bwd_reference(*args)
 
-    monkeypatch.setattr(dispatch, "select", lambda q, k, v: "hopper")
+    monkeypatch.setattr(dispatch, "choose", lambda q, k, v: ("hopper", "simulated on the CPU"))
     monkeypatch.setattr(dispatch, "forward", forward)
     monkeypatch.setattr(dispatch, "backward", backward)
     counter = CompileCounterWithBackend("aot_eager")

@@ -2,7 +2,7 @@
 
 Entry points, called by ``qla_compile.ops`` on SM90 CUDA tensors:
 
-* :func:`hopper_supported` -- whether these kernels handle the given tensors.
+* :func:`hopper_supported` -- whether these kernels handle the given tensors (:func:`unsupported`: why not).
 * :func:`chunk_gdr_fwd_hopper` -- ``(o, final_state)``.
 * :func:`chunk_gdr_fwd_hopper_aux` -- ``(o, final_state, tt, gb, chunk_offsets, cp_cache)``, also returning
   the gate-free inverse T~, the per-chunk gate cumsum and the context-parallel plan's products for a
@@ -38,8 +38,8 @@ import torch
 from . import cp_fwd, fused_fwd, gdr_fwd
 from ._build import TARGET, cache_dir
 
-__all__ = ["hopper_supported", "chunk_gdr_fwd_hopper", "chunk_gdr_fwd_hopper_aux", "cp_cache_numel", "TARGET",
-           "cache_dir"]
+__all__ = ["hopper_supported", "unsupported", "chunk_gdr_fwd_hopper", "chunk_gdr_fwd_hopper_aux", "cp_cache_numel",
+           "TARGET", "cache_dir"]
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _HEAD_DIMS = (128,)
@@ -53,18 +53,28 @@ _CP_MAX_HEADS = 60
 _CP_MAX_EXTRA_PIECE_HEADS = 512
 
 
-def hopper_supported(q, k, v, *args, **kwargs) -> bool:
-    """True when the SM90 kernels handle these q, k, v (device, arch, dtype, head dims, GVA)."""
+def unsupported(q, k, v) -> str | None:
+    """Why the SM90 kernels do not handle these q, k, v (device, arch, dtype, head dims, GVA), or None."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return False
+        return f"tensors on {q.device.type}, not CUDA"
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability != (9, 0):
+        return f"an sm_{capability[0]}{capability[1]} GPU (the kernels are for SM90: H100/H200)"
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
+        return f"dtype {q.dtype} (the kernels take bf16/fp16 q, k, v)"
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
-        return False
+        return "shapes other than q, k [B, T, H, K] and v [B, T, HV, V]"
     h_qk, dk, h_v, dv = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
-    return dk in _HEAD_DIMS and dv in _HEAD_DIMS and h_v % h_qk == 0
+    if dk not in _HEAD_DIMS or dv not in _HEAD_DIMS:
+        return f"head dims K = {dk}, V = {dv} (the kernels take K = V = 128)"
+    if h_v % h_qk:
+        return f"{h_v} v-heads for {h_qk} qk-heads (not a multiple)"
+    return None
+
+
+def hopper_supported(q, k, v, *args, **kwargs) -> bool:
+    """True when the SM90 kernels handle these q, k, v (:func:`unsupported` has no reason)."""
+    return unsupported(q, k, v) is None
 
 
 def _l2norm(x):

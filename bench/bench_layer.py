@@ -1,0 +1,128 @@
+"""Layer-level benchmark on the GPU machine: FLA's ``GatedDeltaNet`` and transformers' ``Qwen3NextGatedDeltaNet``
+eagerly with FLA's kernels, eagerly with our FLA backend, and under ``qla_compile.backend``.
+
+Paths: ``fla`` (eager, our FLA backend off: ``FLA_QLA_COMPILE=0``), ``qla-eager`` (eager, our backend in FLA's
+registry), ``qla-compiled`` (``torch.compile(layer, backend=qla_compile.backend)``). ``FLA_FLASH_QLA=0`` throughout,
+so ``fla`` is FLA's own Triton path. Layers (hidden 2048, bf16, batch 1): ``fla-128x16`` and ``fla-128x32``
+(K = V = 128 with 16 qk-heads and 16 or 32 v-heads), ``fla-default`` (FLA's defaults: 6 heads, K 256, V 512) and
+``hf-qwen3next`` (16 qk / 32 v heads x 128). Per row the median ms of the layer's forward (no grad) or forward +
+backward (of ``out.float().square().mean()``), the GDN op's own kernel time inside it from one profiled step, and
+the relative L2 of the output against the ``fla`` path.
+
+    python bench/bench_layer.py --out $OUT [--layers ...] [--lengths 8192,32768] [--ops fwd,fwd+bwd]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+os.environ.setdefault("FLA_FLASH_QLA", "0")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import rel_l2, versions  # noqa: E402
+from bench.model import median_ms, profile_step  # noqa: E402
+
+PATHS = ("fla", "qla-eager", "qla-compiled")
+LAYERS = ("fla-128x16", "fla-128x32", "fla-default", "hf-qwen3next")
+
+
+def build(name):
+    torch.manual_seed(0)
+    if name.startswith("fla"):
+        from fla.layers import GatedDeltaNet
+
+        kw = {} if name == "fla-default" else dict(head_dim=128, num_heads=16, expand_v=1.0,
+                                                     num_v_heads=32 if name.endswith("x32") else 16)
+        layer = GatedDeltaNet(hidden_size=2048, mode="chunk", **kw)
+    else:
+        from transformers import Qwen3NextConfig
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+        cfg = Qwen3NextConfig(hidden_size=2048, linear_num_key_heads=16, linear_num_value_heads=32,
+                              linear_key_head_dim=128, linear_value_head_dim=128, layer_types=["linear_attention"],
+                              num_hidden_layers=1)
+        layer = Qwen3NextGatedDeltaNet(cfg, layer_idx=0)
+    return layer.to("cuda", torch.bfloat16)
+
+
+def head_dims(layer):
+    return layer.head_k_dim, layer.head_v_dim
+
+
+def step_fn(fn, layer, x, op):
+    def step():
+        if op == "fwd":
+            with torch.no_grad():
+                return _out(fn(x))
+        layer.zero_grad(set_to_none=True)
+        out = _out(fn(x))
+        out.float().square().mean().backward()
+        return out.detach()
+    return step
+
+
+def _out(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--layers", default=",".join(LAYERS))
+    ap.add_argument("--lengths", default="8192,32768")
+    ap.add_argument("--ops", default="fwd,fwd+bwd")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    import qla_compile
+
+    qla_compile.register_substitutions()
+    rows = []
+    for name in args.layers.split(","):
+        layer = build(name)
+        k, v = head_dims(layer)
+        for T in (int(t) for t in args.lengths.split(",")):
+            x = torch.randn(1, T, 2048, device="cuda", dtype=torch.bfloat16,
+                            generator=torch.Generator("cuda").manual_seed(T))
+            for op in args.ops.split(","):
+                ref = None
+                for path in PATHS:
+                    os.environ["FLA_QLA_COMPILE"] = "0" if path == "fla" else "1"
+                    torch._dynamo.reset()
+                    fn = torch.compile(layer, backend=qla_compile.backend) if path == "qla-compiled" else layer
+                    step = step_fn(fn, layer, x, op)
+                    out = step().float()
+                    ref = out if path == "fla" else ref
+                    step()
+                    ms = median_ms(step, args.reps, args.rounds)
+                    gdn_ms, _, _ = profile_step(step)
+                    rows.append(dict(layer=name, K=k, V=v, T=T, op=op, path=path, ms=round(ms, 3),
+                                     gdn_ms=round(gdn_ms, 3), out_vs_fla=float(f"{rel_l2(out, ref):.3e}")))
+                    print(json.dumps(rows[-1]), flush=True)
+        del layer
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "latest-layer.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    meta = versions()
+    lines = [f"# Layer level, {meta['gpu']}, {datetime.date.today().isoformat()}", "",
+             "Versions: " + ", ".join(f"{a} {b}" for a, b in meta.items()), "",
+             "| layer | K/V | T | op | path | ms | fla / path | GDN op ms | fla GDN / path GDN | out vs fla |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["layer"], r["T"], r["op"]): r for r in rows if r["path"] == "fla"}
+    for r in rows:
+        b = base[(r["layer"], r["T"], r["op"])]
+        gdn = f"{b['gdn_ms'] / r['gdn_ms']:.2f}" if r["gdn_ms"] else "-"
+        lines.append(f"| {r['layer']} | {r['K']}/{r['V']} | {r['T']} | {r['op']} | {r['path']} | {r['ms']} | "
+                     f"{b['ms'] / r['ms']:.2f} | {r['gdn_ms']} | {gdn} | {r['out_vs_fla']} |")
+    with open(os.path.join(args.out, f"{datetime.date.today().isoformat()}-layer.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

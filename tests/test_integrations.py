@@ -1,0 +1,73 @@
+"""Eager integrations on the CPU: the route to FLA's op for calls our kernels do not serve, and the reversible
+rebinding of transformers' eager GDN functions (FLA's backend registry: ``test_fla.py``)."""
+import types
+
+import pytest
+import torch
+from gdn_inputs import make_inputs, rel_err
+from torch.profiler import ProfilerActivity, profile
+
+import qla_compile
+from qla_compile import dispatch
+
+LEAVES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+
+
+def _run(kw, fn=qla_compile.chunk_gated_delta_rule):
+    inputs = {n: (x.detach().clone().requires_grad_() if n in LEAVES else x) for n, x in kw.items()}
+    o, state = fn(**inputs, output_final_state=True)
+    (o.square().sum() + state.sin().sum()).backward()
+    return o, state, {n: inputs[n].grad for n in LEAVES if n in inputs}
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fla_route_gives_the_reference_values(compiled, monkeypatch):
+    """The "fla" path's plumbing (every option passed by name, the backward through FLA's own autograd with its
+    forward run again, also inside a compiled training graph), with the float64 oracle standing in for FLA's op:
+    values and gradients as the reference path's."""
+    kw = make_inputs(T=90, H=2, HV=4, K=16, V=16, l2norm=True, gate_in_kernel=True, beta_sigmoid=True,
+                     initial_state=True, state_v_first=True, cu_seqlens=[0, 40, 90], seed=4)
+    o_ref, st_ref, g_ref = _run(kw)
+    monkeypatch.setattr(dispatch, "choose", lambda q, k, v: ("fla", "FLA stands in"))
+    monkeypatch.setattr(dispatch, "fla_op", lambda: qla_compile.recurrent_gdr_reference)
+    torch._dynamo.reset()
+    o, st, grads = _run(kw, torch.compile(qla_compile.chunk_gated_delta_rule, backend="aot_eager", fullgraph=True)
+                        if compiled else qla_compile.chunk_gated_delta_rule)
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(st, st_ref) < 1e-4
+    for name in g_ref:
+        assert rel_err(grads[name], g_ref[name]) < 1e-3, name
+
+
+def test_a_gpu_call_without_our_kernels_or_fla_runs_the_reference(monkeypatch):
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda"))
+    monkeypatch.setattr(dispatch, "_kernels", lambda: types.SimpleNamespace(unsupported=lambda q, k, v: "K = 256"))
+    monkeypatch.setattr(dispatch, "fla_op", lambda: None)
+    impl, why = dispatch.choose(on_gpu, on_gpu, on_gpu)
+    assert impl == "reference" and "K = 256" in why and "install fla-core" in why
+
+
+def _tiny_model_logits(model, ids):
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        logits = model(ids, use_cache=False).logits
+    return logits, any(e.key == "qla::chunk_gdr_fwd" for e in prof.key_averages())
+
+
+def test_transformers_functions_rebound_to_our_op_and_back():
+    from test_backend_models import tiny_qwen3_next
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    model, ids = tiny_qwen3_next(), torch.randint(0, 96, (1, 70), generator=torch.Generator().manual_seed(0))
+    original = m.torch_chunk_gated_delta_rule
+    eager, ours = _tiny_model_logits(model, ids)
+    assert not ours
+    try:
+        rebound = qla_compile.apply_to_transformers(model)
+        assert "transformers.models.qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule" in rebound
+        assert qla_compile.apply_to_transformers(model) == []  # idempotent
+        patched, ours = _tiny_model_logits(model, ids)
+        assert ours and rel_err(patched, eager) < 1e-5
+    finally:
+        assert qla_compile.revert_transformers() == len(rebound)
+    assert m.torch_chunk_gated_delta_rule is original
+    again, ours = _tiny_model_logits(model, ids)
+    assert not ours and torch.equal(again, eager)
