@@ -261,7 +261,7 @@ def main():
     rows, profiles, meta = [], [], {}
     for group in [g for g, paths in GROUPS.items() if set(paths) & set(args.paths.split(","))]:
         result = os.path.join(args.out, f"model-{group}.json")
-        env = {**os.environ, "FLA_FLASH_QLA": "0", "QLA_FLA_BACKEND": "0" if group == "fla" else "1",
+        env = {**os.environ, "FLA_FLASH_QLA": "0", "FLA_QLA_COMPILE": "0" if group == "fla" else "1",
                "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(), "TRITON_CACHE_DIR": tempfile.mkdtemp()}
         cmd = [sys.executable, __file__, "--worker", group, "--result", result] + [
             f"--{k}={getattr(args, k)}" for k in ("models", "lengths", "kinds", "paths", "reps", "rounds")] + (
