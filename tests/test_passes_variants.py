@@ -108,3 +108,43 @@ def test_gla_is_a_candidate_rejected_by_the_proof():
     args, _ = _head_major_inputs(seed=5)
     _, report = _compile(gla_chunked, args)
     assert len(report.regions) == 1 and "differ" in report.regions[0].reason, report.summary()
+
+
+def test_a_region_that_fails_to_run_prints_nothing(capfd, monkeypatch):
+    """A binding under which the region's own code raises (here every binding: the extracted region is replaced by
+    one that fails) costs a line in the report, no traceback on the console (an FX GraphModule prints one)."""
+    from torch import fx
+
+    from qla_compile.passes import prove
+
+    real_extract = prove.extract
+
+    def failing(gm, region):
+        sub = real_extract(gm, region)
+        graph = fx.Graph()
+        for node in sub.graph.find_nodes(op="placeholder"):
+            graph.placeholder(node.name)
+        graph.output(graph.call_function(torch.linalg.cholesky, (-torch.eye(2),)))  # not positive-definite
+        return fx.GraphModule(sub, graph)
+
+    monkeypatch.setattr(prove, "extract", failing)
+    args, _ = _head_major_inputs(seed=6)
+    _, report = _compile(gdn_head_major_einsum, args)
+    assert [r.status for r in report.regions] == ["rejected"], report.summary()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "FX-traced" not in err, err
+
+
+def test_the_pass_stops_at_its_time_budget(monkeypatch):
+    """Proofs stop once the pass has spent its budget; the region left is reported with that reason, unchanged."""
+    from qla_compile.passes import fuse
+
+    monkeypatch.setattr(fuse, "PASS_BUDGET_SECONDS", 0.0)
+    args, kw = _head_major_inputs(seed=7)
+    torch._dynamo.reset()
+    backend = qb.make_backend(inductor=False, front_door=False)
+    out = torch.compile(gdn_head_major_einsum, backend=backend, fullgraph=True)(*args)
+    (report,) = backend.reports
+    assert [r.status for r in report.regions] == ["rejected"], report.summary()
+    assert report.regions[0].reason.startswith("the pass's time budget ran out"), report.summary()
+    assert rel_err(out, gdn_head_major_einsum(*args)) < 1e-6

@@ -22,6 +22,7 @@ from .regions import Region, find_anchors, grow, mutates_outside, output_candida
 from .report import GraphReport, RegionReport
 
 log = logging.getLogger(__name__)
+PASS_BUDGET_SECONDS = 5.0  # per graph: proofs stop once the pass has run this long
 
 
 def fused_gdn(q, k, v, g, beta, initial_state, *, head_major, state_v_first, l2norm, scale, output_head_major,
@@ -46,8 +47,10 @@ def count_qla_calls(graph: fx.Graph) -> int:
 
 
 def fuse_gdn_regions(gm: fx.GraphModule, report: GraphReport) -> None:
-    """Replace every proven GDN region of ``gm`` in place; append one ``RegionReport`` per anchor."""
+    """Replace every proven GDN region of ``gm`` in place; append one ``RegionReport`` per anchor. Proofs stop
+    once the pass has spent ``PASS_BUDGET_SECONDS`` (the regions left are reported as such)."""
     start = time.perf_counter()
+    deadline = start + PASS_BUDGET_SECONDS
     report.front_door_calls = count_qla_calls(gm.graph)
     tried: set[fx.Node] = set()
     while True:
@@ -56,7 +59,7 @@ def fuse_gdn_regions(gm: fx.GraphModule, report: GraphReport) -> None:
         if not anchors:
             break
         tried.add(anchors[0])
-        result = _fuse_one(gm, flow, anchors[0])
+        result = _fuse_one(gm, flow, anchors[0], deadline)
         log.info("qla_compile: region at %s: %s (%s)", result.anchor, result.status, result.reason)
         report.regions.append(result)
     gm.graph.lint()
@@ -65,7 +68,7 @@ def fuse_gdn_regions(gm: fx.GraphModule, report: GraphReport) -> None:
     report.pass_seconds = time.perf_counter() - start
 
 
-def _fuse_one(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node) -> RegionReport:
+def _fuse_one(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, deadline: float) -> RegionReport:
     result = RegionReport(anchor.name, "rejected", "", where=_where(anchor))
     candidates = output_candidates(flow, anchor)
     if not candidates:
@@ -79,8 +82,11 @@ def _fuse_one(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node) -> RegionRepo
             result.reason = f"{writer.name} writes into a tensor owned outside the region"
             continue
         try:
-            binding = prove(gm, region)
+            binding = prove(gm, region, deadline)
         except NotProven as exc:
+            if str(exc).startswith(NotProven.TIMEOUT):
+                result.reason = str(exc)
+                return result
             if not result.reason.startswith(NotProven.DIFFER):  # keep the most telling reason: a failed proof
                 result.reason = str(exc)
             continue

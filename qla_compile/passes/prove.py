@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from .. import ops
+
+from ..reference import GDROptions, chunk_gdr_fwd_reference
 from .dataflow import is_tensor, value
 from .regions import Region
 
@@ -47,6 +49,7 @@ class NotProven(Exception):
     """The region is not a gated delta rule under any binding (the message says why)."""
 
     DIFFER = "outputs differ from the delta rule"
+    TIMEOUT = "the pass's time budget ran out"
 
 
 def extract(gm: fx.GraphModule, region: Region) -> fx.GraphModule:
@@ -124,9 +127,16 @@ def _hypotheses(region: Region):
                         yield (q, k, v, g, beta, h0[0], hm, v_first)
 
 
+def _device(region: Region) -> torch.device:
+    """Where the region computes: its tensor inputs' device (its constants are made there too)."""
+    return next(value(n).device for n in region.inputs if is_tensor(n))
+
+
 def _draw(region: Region, hyp, seed: int) -> tuple[list, dict]:
-    """Random region inputs for a hypothesis, and the same values in the op's canonical layout."""
+    """Random region inputs for a hypothesis, on the region's device, and the same values in the op's canonical
+    layout (drawn on the CPU, so that a draw is the same everywhere)."""
     q, k, v, g, beta, h0, hm, v_first = hyp
+    device = _device(region)
     gen = torch.Generator().manual_seed(seed)
     shapes = {i: _dims(_shape(region.inputs[i]), m) for i, m in zip((q, k, v, g, beta), hm)}
     B, T, H, K = shapes[q]
@@ -144,6 +154,7 @@ def _draw(region: Region, hyp, seed: int) -> tuple[list, dict]:
     if h0 is not None:
         canon["initial_state"] = 0.3 * torch.randn(B, HV, V, K, generator=gen) if v_first else \
             0.3 * torch.randn(B, HV, K, V, generator=gen)
+    canon = {name: x.to(device) for name, x in canon.items()}
     args = []
     roles = dict(zip((q, k, v, g, beta), ("q", "k", "v", "g", "beta")))
     layouts = dict(zip((q, k, v, g, beta), hm))
@@ -167,17 +178,17 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _run_op(canon: dict, l2norm: bool, v_first: bool):
-    o, state, *_ = ops.chunk_gdr_fwd(
-        canon["q"], canon["k"], canon["v"], canon["g"], canon["beta"], None, None, canon.get("initial_state"),
-        None, 1.0, l2norm, False, False, False, v_first, False,
-    )
-    return o, state
+    """Our op's function on the canonical fp32 inputs, by its reference implementation (on a GPU the op would pick
+    other kernels for fp32, less exact than a proof needs)."""
+    opts = GDROptions(1.0, l2norm, False, False, False, v_first)
+    return chunk_gdr_fwd_reference(canon["q"], canon["k"], canon["v"], canon["g"], canon["beta"], None, None,
+                                   canon.get("initial_state"), None, opts)
 
 
 def _match(region: Region, sub: fx.GraphModule, hyp, seed: int, fixed: dict | None = None):
     """(error, options) of the best option set for one hypothesis on one random draw."""
     args, canon = _draw(region, hyp, seed)
-    outs = sub(*args)
+    outs = type(sub).forward(sub, *args)  # not sub(...): a GraphModule call prints a traceback when its code raises
     o_ref = outs[0]
     st_ref = outs[1] if len(outs) > 1 else None
     if not isinstance(o_ref, torch.Tensor) or o_ref.dim() != 4:
@@ -209,14 +220,17 @@ def _snap(scale: float, q: torch.Tensor) -> float:
     return scale
 
 
-def prove(gm: fx.GraphModule, region: Region) -> Binding:
-    """The binding under which the region equals our op on two random draws; raises ``NotProven``."""
+def prove(gm: fx.GraphModule, region: Region, deadline: float = math.inf) -> Binding:
+    """The binding under which the region equals our op on two random draws; raises ``NotProven``, also once
+    ``time.perf_counter()`` passes ``deadline``."""
     sub = extract(gm, region)
     best_err = math.inf
     with unset_fake_temporarily(), torch.no_grad():
         for n, hyp in enumerate(_hypotheses(region)):
             if n == _MAX_HYPOTHESES:
                 break
+            if time.perf_counter() > deadline:
+                raise NotProven(f"{NotProven.TIMEOUT} after {n} binding(s)")
             try:
                 err, opts = _match(region, sub, hyp, seed=1234)
             except NotProven:
