@@ -31,7 +31,7 @@ from .reference import (
 )
 
 log = logging.getLogger(__name__)
-_choices: collections.Counter = collections.Counter()  # (implementation, reason) -> calls and traces
+_choices: collections.Counter = collections.Counter()  # (implementation, reason) -> forward and backward calls
 
 
 @functools.cache
@@ -82,7 +82,7 @@ def select(q, k, v) -> str:
 
 
 def choices() -> collections.Counter:
-    """How often each ``(implementation, why)`` was chosen in this process (traces included)."""
+    """How often each ``(implementation, why)`` ran a forward or backward in this process."""
     return collections.Counter(_choices)
 
 
