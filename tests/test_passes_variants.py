@@ -148,3 +148,39 @@ def test_the_pass_stops_at_its_time_budget(monkeypatch):
     assert [r.status for r in report.regions] == ["rejected"], report.summary()
     assert report.regions[0].reason.startswith("the pass's time budget ran out"), report.summary()
     assert rel_err(out, gdn_head_major_einsum(*args)) < 1e-6
+
+
+def gdn_where_full_like_solve(q, k, v, g, beta):
+    """Head-major, a ``where(causal, diff, full_like(diff, -inf))`` decay mask and an explicit triangular solve:
+    the mask's constant is built inside the region from one of its own tensors."""
+    q = q * q.shape[-1] ** -0.5
+    q, k, v = _chunks(q), _chunks(k), _chunks(v)
+    g, beta = g.reshape(*g.shape[:2], -1, C), beta.reshape(*beta.shape[:2], -1, C)
+    G = g.cumsum(-1)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    diff = G[..., :, None] - G[..., None, :]
+    decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+    a = (torch.einsum("bhncd,bhnsd->bhncs", k * beta[..., None], k) * decay).tril(-1)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    inv = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False, unitriangular=True)
+    u = inv @ (v * beta[..., None])
+    w = inv @ (k * (beta * G.exp())[..., None])
+    attn = torch.einsum("bhncd,bhnsd->bhncs", q, k) * decay
+    S = q.new_zeros(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1])
+    outs = []
+    for n in range(q.shape[2]):
+        v_new = u[:, :, n] - w[:, :, n] @ S
+        outs.append((q[:, :, n] * G[:, :, n, :, None].exp()) @ S + attn[:, :, n] @ v_new)
+        k_tail = k[:, :, n] * (G[:, :, n, -1:] - G[:, :, n]).exp()[..., None]
+        S = S * G[:, :, n, -1, None, None].exp() + k_tail.transpose(-1, -2) @ v_new
+    return torch.stack(outs, dim=2).flatten(2, 3)
+
+
+def test_constants_built_inside_the_region_stay_inside():
+    """``full_like`` of a region tensor is part of the region, not one of its inputs: the form is fused."""
+    args, kw = _head_major_inputs(seed=8)
+    oracle = recurrent_gdr_reference(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"])[0].transpose(1, 2)
+    assert rel_err(gdn_where_full_like_solve(*args), oracle) < 1e-5  # the variant really is GDN
+    out, report = _compile(gdn_where_full_like_solve, args)
+    assert [r.status for r in report.regions] == ["replaced"], report.summary()
+    assert rel_err(out, oracle) < 1e-5

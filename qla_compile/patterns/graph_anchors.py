@@ -24,11 +24,12 @@ RESHAPES = frozenset({"reshape", "view", "unflatten", "flatten", "rearrange"})
 
 #: Ops an eager GDN region may consist of (besides layout ops); growth stops at anything else, which then
 #: becomes an input of the region.  No projections, convolutions or gate activations: those belong to the layer.
+#: Constants built from the region's own tensors or shapes (``full_like``, ``eye``, ``arange``, ...) belong to it.
 REGION_OPS = LAYOUT | CUMSUM | SUB | EXP | PAIRWISE_MASKS | frozenset({
     "add", "add_", "iadd", "neg", "mul_", "imul", "truediv", "div", "isub", "matmul", "bmm", "einsum", "sum",
     "rsqrt", "sqrt", "pow", "norm", "normalize", "linalg_solve_triangular", "solve_triangular", "inv",
-    "linalg_inv", "inverse", "eye", "ones", "zeros", "zeros_like", "ones_like", "new_zeros", "new_ones", "arange",
-    "full", "setitem", "pad", "cat", "stack", "repeat_interleave", "repeat", "diag_embed", "diagonal",
+    "linalg_inv", "inverse", "eye", "ones", "zeros", "zeros_like", "ones_like", "full_like", "empty_like",
+    "new_zeros", "new_ones", "new_full", "new_empty", "arange", "full", "setitem", "pad", "cat", "stack", "repeat_interleave", "repeat", "diag_embed", "diagonal",
     "masked_fill_", "copy_", "zero_", "size", "sym_size", "mod", "floordiv", "sub", "eq", "lt", "le", "gt", "ge",
     "logical_not", "invert", "bitwise_not", "and_", "bool", "squeeze", "select",
 })
