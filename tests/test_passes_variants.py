@@ -28,6 +28,19 @@ def _unit_lower_inverse_by_doubling(a):
     return inv
 
 
+def _carry_chunks(q, k, u, w, attn, G):
+    """The chunk-to-chunk state carry of the chunked head-major variants (``u``, ``w`` from the inverse,
+    ``attn`` the decayed in-chunk scores): outputs ``[B, H, T, V]``."""
+    S = q.new_zeros(q.shape[0], q.shape[1], q.shape[-1], u.shape[-1])
+    outs = []
+    for n in range(q.shape[2]):
+        v_new = u[:, :, n] - w[:, :, n] @ S
+        outs.append((q[:, :, n] * G[:, :, n, :, None].exp()) @ S + attn[:, :, n] @ v_new)
+        k_tail = k[:, :, n] * (G[:, :, n, -1:] - G[:, :, n]).exp()[..., None]
+        S = S * G[:, :, n, -1, None, None].exp() + torch.einsum("bhck,bhcv->bhkv", k_tail, v_new)
+    return torch.stack(outs, dim=2).flatten(2, 3)
+
+
 def gdn_head_major_einsum(q, k, v, g, beta):
     """Inputs head-major [B, H, T, D] / [B, H, T]; einsum everywhere; inverse by repeated squaring."""
     q = q * q.shape[-1] ** -0.5
@@ -40,15 +53,7 @@ def gdn_head_major_einsum(q, k, v, g, beta):
     inv = _unit_lower_inverse_by_doubling(-kk.tril(-1))
     u = torch.einsum("bhncs,bhnsd->bhncd", inv, v * beta[..., None])
     w = torch.einsum("bhncs,bhnsd->bhncd", inv, k * (beta * G.exp())[..., None])
-    attn = torch.einsum("bhncd,bhnsd->bhncs", q, k) * decay
-    S = q.new_zeros(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1])
-    outs = []
-    for n in range(q.shape[2]):
-        v_new = u[:, :, n] - w[:, :, n] @ S
-        outs.append((q[:, :, n] * G[:, :, n, :, None].exp()) @ S + attn[:, :, n] @ v_new)
-        k_tail = k[:, :, n] * (G[:, :, n, -1:] - G[:, :, n]).exp()[..., None]
-        S = S * G[:, :, n, -1, None, None].exp() + torch.einsum("bhck,bhcv->bhkv", k_tail, v_new)
-    return torch.stack(outs, dim=2).flatten(2, 3)
+    return _carry_chunks(q, k, u, w, torch.einsum("bhncd,bhnsd->bhncs", q, k) * decay, G)
 
 
 def gla_chunked(q, k, v, g, beta):
@@ -85,14 +90,20 @@ def _compile(fn, args):
     return out, report
 
 
-def test_head_major_einsum_doubling_inverse_is_fused():
-    args, kw = _head_major_inputs(seed=3)
+def _assert_fused(fn, seed):
+    """``fn`` (head-major) is GDN by the float64 oracle, and the pass replaces its one region with equal outputs."""
+    args, kw = _head_major_inputs(seed=seed)
     oracle = recurrent_gdr_reference(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"])[0].transpose(1, 2)
-    assert rel_err(gdn_head_major_einsum(*args), oracle) < 1e-5  # the variant really is GDN
-    out, report = _compile(gdn_head_major_einsum, args)
+    assert rel_err(fn(*args), oracle) < 1e-5  # the variant really is GDN
+    out, report = _compile(fn, args)
     assert [r.status for r in report.regions] == ["replaced"], report.summary()
-    assert "layouts HHHHH" in report.regions[0].reason
     assert rel_err(out, oracle) < 1e-5
+    return report
+
+
+def test_head_major_einsum_doubling_inverse_is_fused():
+    report = _assert_fused(gdn_head_major_einsum, seed=3)
+    assert "layouts HHHHH" in report.regions[0].reason
 
 
 @pytest.mark.parametrize("fn", [gla_chunked, linear_attention, softmax_attention])
@@ -165,22 +176,9 @@ def gdn_where_full_like_solve(q, k, v, g, beta):
     inv = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False, unitriangular=True)
     u = inv @ (v * beta[..., None])
     w = inv @ (k * (beta * G.exp())[..., None])
-    attn = torch.einsum("bhncd,bhnsd->bhncs", q, k) * decay
-    S = q.new_zeros(q.shape[0], q.shape[1], q.shape[-1], v.shape[-1])
-    outs = []
-    for n in range(q.shape[2]):
-        v_new = u[:, :, n] - w[:, :, n] @ S
-        outs.append((q[:, :, n] * G[:, :, n, :, None].exp()) @ S + attn[:, :, n] @ v_new)
-        k_tail = k[:, :, n] * (G[:, :, n, -1:] - G[:, :, n]).exp()[..., None]
-        S = S * G[:, :, n, -1, None, None].exp() + k_tail.transpose(-1, -2) @ v_new
-    return torch.stack(outs, dim=2).flatten(2, 3)
+    return _carry_chunks(q, k, u, w, torch.einsum("bhncd,bhnsd->bhncs", q, k) * decay, G)
 
 
 def test_constants_built_inside_the_region_stay_inside():
     """``full_like`` of a region tensor is part of the region, not one of its inputs: the form is fused."""
-    args, kw = _head_major_inputs(seed=8)
-    oracle = recurrent_gdr_reference(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"])[0].transpose(1, 2)
-    assert rel_err(gdn_where_full_like_solve(*args), oracle) < 1e-5  # the variant really is GDN
-    out, report = _compile(gdn_where_full_like_solve, args)
-    assert [r.status for r in report.regions] == ["replaced"], report.summary()
-    assert rel_err(out, oracle) < 1e-5
+    _assert_fused(gdn_where_full_like_solve, seed=8)
