@@ -14,7 +14,9 @@ expert of 1024). Kinds: ``prefill`` (no grad) and ``train`` (``logits.float().lo
 .backward()``). Per row: the median step time (CUDA events around ``--reps`` steps, median of
 ``--rounds``), the first call's seconds (compiles, autotuning; fresh Inductor and Triton caches per
 process), graphs and graph breaks that dynamo counted while compiling at that length, and the relative L2 difference
-of the logits and of one GDN layer's ``in_proj_qkvz`` gradient from ``eager-fla``. One profiled step per
+of the logits and of one GDN layer's ``in_proj_qkvz`` gradient from ``eager-fla`` (on every 512th token's logits
+and every 128th row of the gradient: ``eager-fla`` saves them in ``--refs``, small enough to carry to a later
+run on another machine). One profiled step per
 (model, kind, path) at the first length gives the GDN op's share of the device time and the top kernels.
 
     python bench/model.py --out $OUT [--models dense,moe] [--lengths 4096,16384,32768] [--kinds prefill,train]
@@ -22,7 +24,7 @@ of the logits and of one GDN layer's ``in_proj_qkvz`` gradient from ``eager-fla`
 
 A run may measure some paths, models or lengths only: its rows replace those it measured in ``--out``'s
 ``latest-model.json`` and keep the rest (copy the committed results there first to extend them). The
-``*-fla`` paths of a row's ratios and error columns must come from runs on the same machine.
+``*-fla`` paths of a row's ratios must come from runs on the same machine.
 """
 
 import argparse
@@ -39,6 +41,7 @@ GROUPS = {"fla": ("eager-fla", "inductor-fla"), "qla": ("qla", "qla-reduce-overh
 GDN_OPS = ("qla::chunk_gdr_fwd", "qla::chunk_gdr_bwd", "ChunkGatedDeltaRuleFunction",
            "ChunkGatedDeltaRuleFunctionBackward")
 REF_DIR = os.path.join(tempfile.gettempdir(), "qla-model-bench-ref")
+TOKEN_STRIDE, ROW_STRIDE = 512, 128  # the subsample of logits and gradient that the error columns compare
 
 
 def build(kind):
@@ -166,10 +169,10 @@ def worker(args):
                     logits = step()
                     torch.cuda.synchronize()
                     first = time.perf_counter() - start
-                    logits, grad = logits.float().cpu(), None
+                    logits, grad = logits[:, ::TOKEN_STRIDE].float().cpu(), None
                     if kind == "train":
-                        grad = grad_param.grad.float().cpu()
-                    ref = os.path.join(REF_DIR, f"{model_kind}-{T}-{kind}.pt")
+                        grad = grad_param.grad[::ROW_STRIDE].float().cpu()
+                    ref = os.path.join(args.refs, f"{model_kind}-{T}-{kind}.pt")
                     check = {}
                     if path == "eager-fla":
                         torch.save((logits, grad), ref)
@@ -251,20 +254,21 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--refs", default=REF_DIR, help="eager-fla's logits and gradient samples (written, then read)")
     ap.add_argument("--worker", choices=sorted(GROUPS))
     ap.add_argument("--result")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     os.makedirs(args.out, exist_ok=True)
-    os.makedirs(REF_DIR, exist_ok=True)
+    os.makedirs(args.refs, exist_ok=True)
     rows, profiles, meta = [], [], {}
     for group in [g for g, paths in GROUPS.items() if set(paths) & set(args.paths.split(","))]:
         result = os.path.join(args.out, f"model-{group}.json")
         env = {**os.environ, "FLA_FLASH_QLA": "0", "FLA_QLA_COMPILE": "0" if group == "fla" else "1",
                "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(), "TRITON_CACHE_DIR": tempfile.mkdtemp()}
         cmd = [sys.executable, __file__, "--worker", group, "--result", result] + [
-            f"--{k}={getattr(args, k)}" for k in ("models", "lengths", "kinds", "paths", "reps", "rounds")] + (
+            f"--{k}={getattr(args, k)}" for k in ("models", "lengths", "kinds", "paths", "reps", "rounds", "refs")] + (
             ["--profile"] if args.profile else [])
         subprocess.run(cmd, env=env, check=True)
         with open(result) as f:

@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .reference import GDROptions, activate_gates, l2norm
 from .validation import check_cu_seqlens_values, check_inputs
 
 _ACCEPTED_CHUNK_SIZES = (16, 32, 64)
@@ -63,12 +64,34 @@ def chunk_gated_delta_rule(
     # a forward that a backward will follow keeps what its backward can reuse (and plans for the pair)
     for_backward = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias, initial_state))
+    opts = GDROptions(float(scale), use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                      allow_neg_eigval, state_v_first)
+    o, final_state = op_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, for_backward,
+                             lift=torch.compiler.is_compiling())
+    return o, (final_state if output_final_state else None)
+
+
+def op_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions, for_backward: bool,
+            lift: bool):
+    """``(o, final_state)`` of one ``qla::chunk_gdr_fwd`` call.
+
+    With ``lift`` (a graph is being traced) the L2 norm of q/k, the gate activation, beta's sigmoid and the
+    contiguous copies run as torch ops of the traced graph rather than inside the op: Inductor fuses them into
+    the kernels that produce q, k, v, g and beta, and differentiates them with the rest of the model (the same
+    math as the op's own, which serves eager calls)."""
+    if lift:
+        if opts.use_qk_l2norm_in_kernel:
+            q, k = (l2norm(x.float()).to(x.dtype) for x in (q, k))
+        g, beta = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        A_log = dt_bias = None
+        opts = GDROptions(opts.scale, state_v_first=opts.state_v_first)
     o, final_state, *_ = ops.chunk_gdr_fwd(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, float(scale),
-        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts.scale, opts.use_qk_l2norm_in_kernel,
+        opts.use_gate_in_kernel, opts.use_beta_sigmoid_in_kernel, opts.allow_neg_eigval, opts.state_v_first,
         for_backward,
     )
-    return o, (final_state if output_final_state else None)
+    return o, final_state
 
 
 def _may_read(cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None) -> bool:

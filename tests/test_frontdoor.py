@@ -100,4 +100,4 @@ def test_a_substitute_that_fails_to_trace_runs_our_op_not_the_unrolled_loop(monk
         o_ref, st_ref = body(*args, use_qk_l2norm_in_kernel=True, output_final_state=True)
         assert rel_err(o, o_ref) < 1e-5 and rel_err(st, st_ref) < 1e-5
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) > breaks  # the break is dynamo's, logged
-    assert sizes and max(sizes) < 30, sizes  # no unrolled chunk loop (that is 100+ nodes at these lengths)
+    assert sizes and max(sizes) < 60, sizes  # no unrolled chunk loop (that is 100+ nodes at these lengths)

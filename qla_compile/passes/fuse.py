@@ -15,7 +15,8 @@ import time
 import torch
 from torch import fx
 
-from .. import ops
+from ..api import op_call
+from ..reference import GDROptions
 from .dataflow import Dataflow
 from .prove import Binding, NotProven, prove
 from .regions import Region, find_anchors, grow, mutates_outside, output_candidates
@@ -31,8 +32,8 @@ def fused_gdn(q, k, v, g, beta, initial_state, *, head_major, state_v_first, l2n
     q, k, v, g, beta = (x.transpose(1, 2) if m else x for x, m in zip((q, k, v, g, beta), head_major))
     if initial_state is not None:
         initial_state = initial_state.to(torch.float32)
-    o, state, *_ = ops.chunk_gdr_fwd(q, k, v, g, beta, None, None, initial_state, None, scale, l2norm, False,
-                                     False, False, state_v_first, torch.is_grad_enabled())
+    opts = GDROptions(scale, l2norm, state_v_first=state_v_first)
+    o, state = op_call(q, k, v, g, beta, None, None, initial_state, None, opts, torch.is_grad_enabled(), lift=True)
     o = o.to(output_dtype)
     return (o.transpose(1, 2) if output_head_major else o), state
 
