@@ -14,11 +14,12 @@ import os
 import time
 
 _MODULES = (
-    "qla_compile.kernels.gdr_fwd",
-    "qla_compile.kernels.fused_fwd",
-    "qla_compile.kernels.cp_fwd",
-    "qla_compile.kernels.fused_bwd",
-    "qla_compile.kernels.gdr_bwd",
+    "qla_compile.kernels.kkt_inverse",
+    "qla_compile.kernels.seq_tables",
+    "qla_compile.kernels.chunk_recurrence",
+    "qla_compile.kernels.context_parallel",
+    "qla_compile.kernels.reverse_recurrence",
+    "qla_compile.kernels.chunk_grads",
 )
 
 
