@@ -27,6 +27,7 @@ VARIANTS = [
                          ids=[f"{n}-{p['dtype']}-{p.get('block_dv', 128)}" for n, p in VARIANTS])
 def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
     monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("QLA_PREBUILT", "0")
     from qla_compile.kernels import chunk_grads, chunk_recurrence, reverse_recurrence
 
     module = {"chunk_dstates_ws": reverse_recurrence, "chunk_fwd_ws": chunk_recurrence}.get(name, chunk_grads)

@@ -36,6 +36,7 @@ def _id(name, params):
 @pytest.mark.parametrize("name,params", VARIANTS, ids=[_id(n, p) for n, p in VARIANTS])
 def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
     monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("QLA_PREBUILT", "0")
     from qla_compile.kernels import chunk_recurrence, context_parallel, kkt_inverse, seq_tables
 
     module = {"chunk_fwd_ws": chunk_recurrence, "scan": context_parallel, "warmup_plan": context_parallel,
