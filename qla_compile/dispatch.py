@@ -38,7 +38,7 @@ _choices: collections.Counter = collections.Counter()  # (implementation, reason
 def _kernels():
     """The Hopper kernel package, or None where it cannot load (no tilelang, unsupported platform)."""
     try:
-        from . import kernels
+        from .kernels import forward as kernels
     except ImportError:
         return None
     return kernels

@@ -1,4 +1,4 @@
-"""Host-side planning of the context-parallel forward (``qla_compile.kernels.cp_fwd``), on the CPU."""
+"""Host-side planning of the context-parallel forward (``qla_compile.kernels.context_parallel``), on the CPU."""
 import importlib.util
 import math
 
@@ -10,9 +10,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, re
 
 @pytest.fixture(scope="module")
 def cp():
-    from qla_compile.kernels import cp_fwd
+    from qla_compile.kernels import context_parallel
 
-    return cp_fwd
+    return context_parallel
 
 
 @pytest.mark.parametrize("lens,h_v,backward,expect_cp", [
@@ -63,12 +63,13 @@ def test_pieces_partition_every_sequence(cp):
 
 
 def test_piece_tables(monkeypatch):
-    from qla_compile.kernels import _piece_tables, cp_fwd
+    from qla_compile.kernels import context_parallel
+    from qla_compile.kernels.forward import _piece_tables
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU-only torch has no CUDA
     lens, L = [1000, 130, 0, 64 * 20 + 5, 512], 8
     pieces = _piece_tables(lens, L, torch.device("cpu"))
-    cu, offs, seq_pieces, last = cp_fwd.pieces(lens, L)
+    cu, offs, seq_pieces, last = context_parallel.pieces(lens, L)
     assert pieces.cu.tolist() == cu and pieces.offsets.tolist() == offs and pieces.seq_pieces.tolist() == seq_pieces
     chunks = [b - a for a, b in zip(offs, offs[1:])]
     # a permutation, by decreasing chunk count, ties in piece order
@@ -88,7 +89,7 @@ def test_piece_tables(monkeypatch):
 
 @pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])
 def test_context_parallel_argument_is_checked(bad):
-    from qla_compile.kernels import _check_context_parallel
+    from qla_compile.kernels.forward import _check_context_parallel
 
     with pytest.raises(ValueError, match="context_parallel"):
         _check_context_parallel(bad)
@@ -135,7 +136,7 @@ def test_cache_bound_holds_every_chosen_plan(cp, monkeypatch):
     sequences long enough that the plan takes a longer piece length to stay within it."""
     import random
 
-    from qla_compile import kernels
+    from qla_compile.kernels import forward as kernels
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 132}))

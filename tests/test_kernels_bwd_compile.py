@@ -27,9 +27,10 @@ VARIANTS = [
                          ids=[f"{n}-{p['dtype']}-{p.get('block_dv', 128)}" for n, p in VARIANTS])
 def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
     monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path))
-    from qla_compile.kernels import fused_bwd, fused_fwd, gdr_bwd
+    monkeypatch.setenv("QLA_PREBUILT", "0")
+    from qla_compile.kernels import chunk_grads, chunk_recurrence, reverse_recurrence
 
-    module = {"chunk_dstates_ws": fused_bwd, "chunk_fwd_ws": fused_fwd}.get(name, gdr_bwd)
+    module = {"chunk_dstates_ws": reverse_recurrence, "chunk_fwd_ws": chunk_recurrence}.get(name, chunk_grads)
     kernel = getattr(module, name).__wrapped__(dk=128, dv=128, **params)  # uncached: a real build
     source = kernel.get_kernel_source()
     assert "wgmma" in source  # the GEMMs went to Hopper's warpgroup MMA

@@ -36,9 +36,11 @@ def _id(name, params):
 @pytest.mark.parametrize("name,params", VARIANTS, ids=[_id(n, p) for n, p in VARIANTS])
 def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
     monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path))
-    from qla_compile.kernels import cp_fwd, fused_fwd, gdr_fwd
+    monkeypatch.setenv("QLA_PREBUILT", "0")
+    from qla_compile.kernels import chunk_recurrence, context_parallel, kkt_inverse, seq_tables
 
-    module = {"chunk_fwd_ws": fused_fwd, "scan": cp_fwd, "warmup_plan": cp_fwd}.get(name, gdr_fwd)
+    module = {"chunk_fwd_ws": chunk_recurrence, "scan": context_parallel, "warmup_plan": context_parallel,
+              "seq_tables": seq_tables}.get(name, kkt_inverse)
     kernel = getattr(module, name).__wrapped__(**params)  # uncached: a real build
     source = kernel.get_kernel_source()
     # the GEMMs went to Hopper's warpgroup MMA (the scan's small FP32 product: TF32 mma.sync)

@@ -1,20 +1,41 @@
-"""Compilation glue: the sm_90a target, the on-disk kernel cache and one compile per variant.
+"""Compilation glue: the sm_90a target, the key of a kernel variant and where its binary comes from.
 
-Every kernel is compiled for the explicit target ``{"kind": "cuda", "arch": "sm_90a"}`` so that a
-cache built on a CPU-only machine (``python -m qla_compile.prebuild``) is hit on the GPU machine.
-The cache lives in ``$QLA_CACHE_DIR`` (default ``~/.cache/qla_compile``); TileLang's own
-``TILELANG_CACHE_DIR`` is pointed there while our kernels compile or load, then restored.
+A factory ``f(**params) -> PrimFunc`` wrapped by :func:`compiled` becomes ``f(**params) -> JITKernel``, taken
+from the first of
+
+1. the prebuilt binaries installed with the package (:mod:`._prebuilt`; ``QLA_PREBUILT=0`` skips them);
+2. the kernel cache ``$QLA_CACHE_DIR/kernels`` (default ``~/.cache/qla_compile``), which step 3 fills;
+3. a JIT compile by TileLang, logged in one line that says why steps 1 and 2 had no binary.
+
+Steps 1 and 2 hold a variant under its key (:func:`variant_key`): a hash of the TIR its factory generates (so of
+every kernel source it depends on), its name and params, the TileLang version, the target and the pass configs.
+A changed kernel or TileLang has other keys, so a stale binary is never found, let alone loaded. An entry is a
+directory (:func:`save`): ``executable.so`` (the host launcher with the sm_90a cubin, TileLang's tvm_ffi
+backend), ``params.json`` (the argument types) and ``device_kernel.cu`` (the generated CUDA, for reading).
+
+Every kernel is compiled for the explicit target ``{"kind": "cuda", "arch": "sm_90a"}``, so that binaries built on
+a CPU-only machine with nvcc (``python -m qla_compile.prebuild``) load on the GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
+import logging
 import os
+import platform
+import shutil
+import tempfile
 import threading
 
+from . import _prebuilt
+
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
+_BACKEND = "tvm_ffi"
 _LOCK = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> str:
@@ -22,35 +43,135 @@ def cache_dir() -> str:
     return os.environ.get("QLA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "qla_compile")
 
 
-@contextlib.contextmanager
-def _our_cache():
-    from tilelang import env
-
-    descriptor = type(env).__dict__["TILELANG_CACHE_DIR"]
-    previous = descriptor._forced_value
-    with _LOCK:
-        env.TILELANG_CACHE_DIR = cache_dir()
-        try:
-            yield
-        finally:
-            descriptor._forced_value = previous
-
-
 def pass_configs() -> dict:
     import tilelang
 
-    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
+    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH.value: False}
+
+
+def variant_key(name: str, params: dict, prim) -> str:
+    """The key of kernel ``name`` built with ``params`` into the PrimFunc ``prim``."""
+    import tilelang
+
+    data = {
+        "kernel": name,
+        "params": params,
+        "tir": hashlib.sha256(prim.script(show_meta=True).encode()).hexdigest(),
+        "tilelang": tilelang.__version__,
+        "target": TARGET,
+        "pass_configs": pass_configs(),
+        "backend": _BACKEND,
+        "machine": platform.machine(),
+    }
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def describe(name: str, params: dict) -> str:
+    """``name(k=v, ...)``, as the log and ``prebuild`` name a variant."""
+    return f"{name}({', '.join(f'{k}={v!r}' for k, v in params.items())})"
+
+
+def load(entry: str, prim):
+    """The kernel saved in the directory ``entry`` (:func:`save`); ``prim`` is its PrimFunc."""
+    from tilelang.engine.param import load_kernel_params
+    from tilelang.jit import JITKernel
+    from tilelang.jit.adapter.base import CachedTextSource
+
+    with open(os.path.join(entry, "params.json")) as f:
+        params = load_kernel_params(f.read())
+    return JITKernel.from_database(
+        func=prim, host_kernel_source=CachedTextSource(),
+        device_kernel_source=CachedTextSource(path=os.path.join(entry, "device_kernel.cu")),
+        kernel_lib_path=os.path.join(entry, "executable.so"), params=params, target=TARGET, target_host=None,
+        out_idx=None, execution_backend=_BACKEND, pass_configs=pass_configs(),
+    )
+
+
+def save(kernel, entry: str):
+    """Write a compiled ``kernel`` to the directory ``entry``, whole or not at all (it is renamed into place;
+    an entry another process wrote first is kept)."""
+    from tilelang.engine.param import dump_kernel_params
+
+    parent = os.path.dirname(entry)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".staging-", dir=parent)
+    try:
+        kernel.adapter.get_exportable_executable().export_library(os.path.join(staging, "executable.so"))
+        with open(os.path.join(staging, "params.json"), "w") as f:
+            f.write(dump_kernel_params(kernel.params))
+        with open(os.path.join(staging, "device_kernel.cu"), "w") as f:
+            f.write(kernel.kernel_source)
+        try:
+            os.rename(staging, entry)
+        except OSError:
+            if not os.path.isdir(entry):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _tilelang_cache_off():
+    """TileLang's own kernel cache off for our compiles: ours holds the binaries (it would keep a second copy)."""
+    from tilelang import env
+
+    enabled = env.is_cache_enabled()
+    env.disable_cache()
+    try:
+        yield
+    finally:
+        if enabled:
+            env.enable_cache()
+
+
+def _jit(name, params, prim, key, why):
+    """``prim`` compiled by TileLang (logged once, with ``why`` it was not found) and saved under ``key``."""
+    import tilelang
+
+    entry = os.path.join(cache_dir(), "kernels", key)
+    log.warning("qla_compile: compiling the kernel %s for sm_90a (%s); it goes to %s", describe(name, params), why,
+                entry)
+    with _tilelang_cache_off():
+        kernel = tilelang.compile(prim, target=TARGET, execution_backend=_BACKEND, pass_configs=pass_configs())
+    try:
+        save(kernel, entry)
+    except OSError as exc:
+        log.warning("qla_compile: could not save the kernel to %s (%s)", entry, exc)
+    return kernel
+
+
+def _find(name, params, prim, key):
+    """``(kernel, None)`` from the prebuilt binaries or the kernel cache, else ``(None, why neither had it)``."""
+    why = "prebuilt binaries are off (QLA_PREBUILT=0)" if os.environ.get("QLA_PREBUILT") == "0" else \
+        _prebuilt.why_not(key, name, params)
+    if why is None:
+        try:
+            return load(_prebuilt.entry(key, cache_dir()), prim), None
+        except Exception as exc:  # noqa: BLE001  (any failure to load means: compile it)
+            why = f"its prebuilt binary did not load: {exc}"
+    entry = os.path.join(cache_dir(), "kernels", key)
+    if not os.path.isdir(entry):
+        return None, f"{why}; not in the kernel cache either"
+    try:
+        return load(entry, prim), None
+    except Exception as exc:  # noqa: BLE001
+        shutil.rmtree(entry, ignore_errors=True)  # a broken entry: the compile below writes it again
+        return None, f"{why}; its cached binary did not load: {exc}"
 
 
 def compiled(factory):
-    """Memoise a kernel factory ``f(**params) -> PrimFunc`` into ``f(**params) -> JITKernel``."""
+    """Memoise a kernel factory ``f(**params) -> PrimFunc`` into ``f(**params) -> JITKernel`` (see the module
+    docstring); ``f.key(**params)`` is the variant's key, computed without compiling."""
+    name = factory.__name__
 
     @functools.lru_cache(maxsize=None)
     def build(**params):
-        import tilelang
-
-        with _our_cache():
-            return tilelang.compile(factory(**params), target=TARGET, pass_configs=pass_configs())
+        with _LOCK:
+            prim = factory(**params)
+            key = variant_key(name, params, prim)
+            kernel, why = _find(name, params, prim, key)
+            return kernel if kernel is not None else _jit(name, params, prim, key, why)
 
     build.factory = factory
+    build.key = lambda **params: variant_key(name, params, factory(**params))
     return build

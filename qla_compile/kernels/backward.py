@@ -1,18 +1,18 @@
 """Host entry point of the GDN chunked backward on SM90: :func:`chunk_gdr_bwd_hopper`.
 
-Pipeline (one packed token stream, chunks numbered as in ``gdr_fwd``; notation in ``gdr_bwd``):
+Pipeline (one packed token stream, chunks numbered as in ``kkt_inverse``; notation in ``chunk_grads``):
 
-1. ``gdr_fwd.kkt_inverse`` -- T~ and [gamma; beta] per chunk (the forward's kernel), or the forward's own
+1. ``kkt_inverse`` -- T~ and [gamma; beta] per chunk (the forward's kernel), or the forward's own
    from ``chunk_gdr_fwd_hopper_aux`` when passed as ``aux``.
 2. :func:`_chunk_states` -- every chunk-start state S in fp16 by the fused forward in its
    ``store_h`` mode, context-parallel under the forward's rule (the pieces' initial states and transitions
    from the forward's ``cp_cache`` when ``aux`` has it, else recomputed).
-3. ``fused_bwd.chunk_dstates_ws`` -- the reverse recurrence of dS, storing each chunk's incoming dS' and
+3. ``reverse_recurrence.chunk_dstates_ws`` -- the reverse recurrence of dS, storing each chunk's incoming dS' and
    dV' (input dtype), dh0 and the row sums of dS' o S that dg's gamma_C term needs; context-parallel over
    the same pieces as step 2, from the gradients entering them (:func:`_entering_gradients`, beside step 2
    on a second stream when the forward's transitions are given). It publishes each chunk in per-(chunk,
    qk-head) counters once written.
-4. ``gdr_bwd.chunk_grads`` -- per (chunk, qk-head), looping over the GVA group's v-heads: dv, dg and dbeta
+4. ``chunk_grads`` -- per (chunk, qk-head), looping over the GVA group's v-heads: dv, dg and dbeta
    per v-head, dq and dk summed over the group on chip. Launched as step 3's programmatic dependent, it
    runs beside it on the SMs the recurrence leaves idle, taking chunks in the order they are published
    and waiting for each (:func:`_reverse_and_grads`).
@@ -22,19 +22,20 @@ import heapq
 
 import torch
 
-from . import (_DTYPES, _block_dv, _check, _check_context_parallel, _chunk_tables, _cp_plan, _gate_inverse,
-               _host_lengths, _n_slots, _piece_initial_states, _state_arg, _tables, cached_plan_views, cp_fwd,
-               fused_bwd, fused_fwd, gdr_bwd, gdr_fwd, lasting_copy)
+from . import chunk_grads, chunk_recurrence, context_parallel, kkt_inverse, reverse_recurrence
+from .forward import (_DTYPES, _block_dv, _check, _check_context_parallel, _chunk_tables, _cp_plan, _gate_inverse,
+                      _host_lengths, _n_slots, _piece_initial_states, _state_arg, _tables, cached_plan_views,
+                      lasting_copy)
 
-CHUNK = gdr_fwd.CHUNK
+CHUNK = kkt_inverse.CHUNK
 
 
 def _chunk_states(q3, k3, v3, tt, gb, bad, cu, offsets, order, initial_state, dtype, cp, cached=None):
     """Every chunk-start state of the forward recurrence, fp16 ``[n_slots, H_v, K, V]`` (slot numbering
     of ``offsets``), by the fused forward in its ``store_h`` mode; context-parallel over the pieces ``cp``
-    (a ``kernels._Pieces``, whose tables ``cu, offsets, order`` then are) when given, their initial states and
-    transitions taken from ``cached``, the views of the forward's ``cp_cache`` (``kernels._cp_cache_views``),
-    when given (else planned with the contraction flags ``bad`` of ``gdr_fwd.kkt_inverse``). Returns
+    (a ``forward._Pieces``, whose tables ``cu, offsets, order`` then are) when given, their initial states and
+    transitions taken from ``cached``, the views of the forward's ``cp_cache`` (``forward._cp_cache_views``),
+    when given (else planned with the contraction flags ``bad`` of ``kkt_inverse``). Returns
     ``(h, transitions)``: None or the pieces' ``(skip, m)`` that the reverse pass reuses."""
     n_slots, h_v, dk, dv = tt.shape[0], v3.shape[1], k3.shape[2], v3.shape[2]
     h = torch.empty(n_slots, h_v, dk, dv, device=q3.device, dtype=torch.float16)
@@ -51,7 +52,7 @@ def _chunk_states(q3, k3, v3, tt, gb, bad, cu, offsets, order, initial_state, dt
         has_h0 = initial_state is not None
         h0 = _state_arg(initial_state, h_v, dk, dv, q3.device)
         bv = _block_dv((cu.numel() - 1) * h_v, dv)
-    fused_fwd.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=bv, store_h=True)(
+    chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=bv, store_h=True)(
         q3, k3, v3, tt, gb, cu, offsets, order, h0, h)
     return h, transitions
 
@@ -115,7 +116,7 @@ def _grads_order(lens, chunks, h_v, n_bv, device):
         if chunks is None:
             n_c = [-(-n // CHUNK) for n in lens]
         else:
-            offs = cp_fwd.pieces(lens, chunks)[1]
+            offs = context_parallel.pieces(lens, chunks)[1]
             n_c = [b - a for a, b in zip(offs, offs[1:])]
         if len(_ORDERS) >= _ORDERS_SIZE:
             _ORDERS.clear()
@@ -127,18 +128,18 @@ def _entering_gradients(q3, k3, do3, tt, gb, dht, scale, dtype, cp, transitions,
     """Into ``entering`` (fp32 ``[P, H_v, K, V]``): the state gradient entering each context-parallel piece of
     ``cp``, given the final-state gradient ``dht`` (fp32 or None) and the pieces' ``transitions`` ``(skip, m)``.
     Every piece but a sequence's first passes back the state gradient of a zero one
-    (``fused_bwd.chunk_dstates_ws``' transition mode, over the leading chunks that reach the piece's start
-    undecayed); a reverse scan (``cp_fwd.scan``) chains them. Needs no chunk state, so it may run beside the
+    (``reverse_recurrence.chunk_dstates_ws``' transition mode, over the leading chunks that reach the piece's start
+    undecayed); a reverse scan (``context_parallel.scan``) chains them. Needs no chunk state, so it may run beside the
     state recompute."""
     h_v, dk, dv = do3.shape[1], q3.shape[2], do3.shape[2]
     skip, m = transitions
     passed = torch.empty_like(entering)
-    fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=True, has_dht=False,
+    reverse_recurrence.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=True, has_dht=False,
                                block_dv=_block_dv(cp.order.numel() * h_v, dv), transition=True)(
         q3, k3, do3, tt, gb, cp.cu, cp.offsets, cp.order, skip, cp.first, float(scale), passed)
     has_dht = dht is not None
     dht = _state_arg(dht, h_v, dk, dv, q3.device)
-    cp_fwd.scan(dk=dk, dv=dv, has_h0=has_dht, reverse=True)(passed, m, skip, cp.seq_pieces, dht, entering)
+    context_parallel.scan(dk=dk, dv=dv, has_h0=has_dht, reverse=True)(passed, m, skip, cp.seq_pieces, dht, entering)
 
 
 _SIDE_STREAMS: dict = {}
@@ -178,8 +179,8 @@ def _states_and_entering(q3, k3, v3, do3, tt, gb, bad, walk, dht, initial_state,
 
 
 def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scale, dtype, cp, lens):
-    """The reverse recurrence (``fused_bwd.chunk_dstates_ws``) and, launched as its programmatic dependent so
-    that it fills the SMs the recurrence leaves idle, ``gdr_bwd.chunk_grads``: ``(dq, dk, dv, dg, dbeta, dh0)``
+    """The reverse recurrence (``reverse_recurrence.chunk_dstates_ws``) and, launched as its programmatic dependent so
+    that it fills the SMs the recurrence leaves idle, ``chunk_grads``: ``(dq, dk, dv, dg, dbeta, dh0)``
     in the kernels' layouts. The recurrence walks ``walk`` from ``dht`` (fp32 or None): the tables of the
     context-parallel pieces ``cp`` from their entering gradients (:func:`_entering_gradients`), all at once, or
     of the sequences ``seqs``. It publishes each chunk per qk-head in ``ready`` once its
@@ -210,9 +211,9 @@ def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scal
     dq, dkh, dvo = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
     dg = torch.empty(h_v, n_tok, **f32)
     db = torch.empty(h_v, n_tok, **f32)
-    fused_bwd.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
+    reverse_recurrence.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
         q3, k3, do3, tt, gb, h, cu, offsets, order, dh0_rows, dht, float(scale), dh, dvp, dh0, sd, ready)
-    gdr_bwd.chunk_grads(dk=dk, dv=dv, dtype=dtype)(
+    chunk_grads.chunk_grads(dk=dk, dv=dv, dtype=dtype)(
         q3, k3, v3, do3, tt, gb, h, dh, dvp, sd, ready, (h_v // h_qk) * (dv // block_dv), seqs[0], seqs[1],
         grads_order, float(scale), acc, dq, dkh, dvo, dg, db)
     return dq, dkh, dvo, dg, db, dh0
@@ -245,7 +246,7 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     the state recompute and the reverse pass); ``aux``: ``(tt, gb)`` from ``chunk_gdr_fwd_hopper_aux`` on the
     same q, k, g, beta and cu_seqlens, used instead of recomputing them, or ``(tt, gb, cp_cache)`` with its
     context-parallel cache too (used when the forward filled it for this call's plan,
-    ``kernels.cached_plan_views``). dq, dk, dv come back in q's dtype, dg
+    ``forward.cached_plan_views``). dq, dk, dv come back in q's dtype, dg
     and dbeta in g's and beta's dtypes, dh0 fp32 (None without an initial state). Tokens past
     ``cu_seqlens[-1]`` get zero gradients.
     """

@@ -89,7 +89,7 @@ def test_hopper_op_compiles_once_for_many_lengths():
 # what the backward must not recompute when autograd hands it the forward's aux: (inputs, module, function)
 _REUSE_CASES = {
     # T~ and [gamma; beta]: kkt_inverse does not run in the backward
-    "aux": (dict(T=333, H=2, HV=4, cu_seqlens=[0, 70, 71, 250, 333], seed=5), "gdr_fwd", "kkt_inverse"),
+    "aux": (dict(T=333, H=2, HV=4, cu_seqlens=[0, 70, 71, 250, 333], seed=5), "kkt_inverse", "kkt_inverse"),
     # a context-parallel forward's pieces: no warm-up plan, transitions or scan before the state recompute
     "cp-cache": (dict(T=9000, H=1, HV=2, cu_seqlens=[0, 8300, 9000], seed=7), "backward", "_piece_initial_states"),
 }

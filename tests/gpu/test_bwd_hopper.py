@@ -165,7 +165,7 @@ def test_captured_backward_without_host_lengths():
     it takes the chunk slots last to first and searches each one's sequence. Bitwise the eager call's result,
     which read the lengths and used the table (neither splits: the sequences are short)."""
     backward = _hopper()
-    from qla_compile.kernels import _host_lengths
+    from qla_compile.kernels.forward import _host_lengths
 
     kw, do, dht = _case(1, 700, 2, 4, torch.bfloat16, [0, 1, 65, 200, 201, 640], True, True, seed=13)
     kw["cu_seqlens"] = kw["cu_seqlens"].cuda()

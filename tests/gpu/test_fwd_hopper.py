@@ -15,7 +15,7 @@ TOL = 5e-3
 def _kernels():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
-    import qla_compile.kernels as kernels
+    from qla_compile.kernels import forward as kernels
 
     return kernels
 
@@ -65,12 +65,13 @@ CP_CASES = {
 
 @pytest.mark.parametrize("name", list(CP_CASES))
 def test_context_parallel_matches_fp64_oracle(name):
-    """Pieces of a sequence run in parallel from warm-up or exact transition states (``cp_fwd``)."""
+    """Pieces of a sequence run in parallel from warm-up or exact transition states (``context_parallel``)."""
     kernels = _kernels()
     B, T, H, HV, dtype, cu, h0, l2, cp = CP_CASES[name]
     kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=len(name))
     lens = [T] * B if cu is None else [b - a for a, b in zip(cu, cu[1:])]
-    chunks = cp or kernels.cp_fwd.piece_chunks(lens, HV, torch.cuda.get_device_properties(0).multi_processor_count)
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    chunks = cp or kernels.context_parallel.piece_chunks(lens, HV, n_sm)
     assert chunks is not None and max(lens) > chunks * 64  # the case does split
     o, ht = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=cp)
     ref_o, ref_ht = recurrent_gdr_reference(
@@ -190,7 +191,7 @@ def test_launch_order_longest_first(n_seq):
 
 def test_warmup_plan_matches_a_loop():
     kernels = _kernels()
-    from qla_compile.kernels import cp_fwd
+    from qla_compile.kernels import context_parallel
 
     gen = torch.Generator().manual_seed(0)
     h_qk, h_v, n_slots = 2, 4, 40
@@ -228,7 +229,7 @@ def test_warmup_plan_matches_a_loop():
     last, only = [0, 0, 1, 0, 1], [0, 0, 0, 0, 0]  # the forward's and the backward's final pieces
     for final in (last, only):
         skip = torch.full((5, h_v), -7, **dev)
-        cp_fwd.warmup_plan()(gb.cuda(), bad, torch.tensor(offs, **dev), torch.tensor(final, **dev), skip)
+        context_parallel.warmup_plan()(gb.cuda(), bad, torch.tensor(offs, **dev), torch.tensor(final, **dev), skip)
         for p in range(5):
             rows = slice(cu[p], cu[p + 1])
             for h in range(h_v):

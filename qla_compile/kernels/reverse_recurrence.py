@@ -1,8 +1,8 @@
 """Warp-specialised reverse state recurrence of the GDN backward on SM90 (chunk C = 64).
 
 One CTA per (sequence, v-head, DV slice), 512 threads, walking the sequence's chunks backwards; T~
-and [gamma; beta] come from ``gdr_fwd.kkt_inverse``, the chunk-start states S (fp16) from
-``fused_fwd.chunk_fwd_ws(store_h=True)`` (notation in ``gdr_bwd``). Per chunk, with dS' the gradient
+and [gamma; beta] come from ``kkt_inverse``, the chunk-start states S (fp16) from
+``chunk_recurrence.chunk_fwd_ws(store_h=True)`` (notation in ``chunk_grads``). Per chunk, with dS' the gradient
 arriving from the later chunks:
 
 * WG0 "state" holds dS' (fp32, registers). Publishes it to shared memory (input dtype), sums the rows
@@ -10,7 +10,7 @@ arriving from the later chunks:
 * WG1 "delta": dV' = r o (K dS') + P_g^T dO, dU0 = -e o (A_g^T dV') (dV' and dU0 are staged over
   this chunk's dO tile, dead by then); hands dU0 to WG0. This is the state chain. dV' also goes to
   ``dvp`` by a TMA store issued before A_g^T dV' and waited for only before dU0 overwrites the tile, so
-  ``gdr_bwd.chunk_grads`` need not recompute K dS', P_g and P_g^T dO.
+  ``chunk_grads`` need not recompute K dS', P_g and P_g^T dO.
 * WG2 "prep" (state-independent, a chunk ahead): P_g = scale Gamma o Q K^T and A_g = Gamma o T~ o
   beta_col, W = scale e o dO; stores the published dS' to ``dh`` by TMA.
 * WG3 "producer": one warp TMA-loads q and k, one dO, one T~ and [gamma; beta] into a two-stage ring,
@@ -25,9 +25,9 @@ GEMM operands are in the input dtype (they carry gradients); accumulators and ga
 import tilelang.language as T
 
 from ._build import compiled
-from .cp_fwd import _WARMUP_LOG_DECAY
-from .fused_fwd import _PTX, _exp, _gamma_times, _lg2
-from .gdr_fwd import CHUNK
+from .chunk_recurrence import _PTX, _exp, _gamma_times, _lg2
+from .context_parallel import _WARMUP_LOG_DECAY
+from .kkt_inverse import CHUNK
 
 
 @T.macro
@@ -51,7 +51,7 @@ def _transition_walk(gb, skip, first, piece, hv, coff, n_c, out):
     out[0] = walk
 
 
-# Chunk readiness for ``gdr_bwd.chunk_grads``, which is launched as a programmatic dependent of this kernel and
+# Chunk readiness for ``chunk_grads``, which is launched as a programmatic dependent of this kernel and
 # runs beside it: every writer of a chunk arrives on an mbarrier once its writes are complete (a TMA store's
 # issuing warp after waiting for it and an async-proxy fence), and an otherwise idle warp then publishes the
 # chunk (lane 0 releases at GPU scope after a warp barrier); the reader spins on an acquiring load, then fences
@@ -103,7 +103,7 @@ def chunk_dstates_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, has_dht: boo
     and ``sd``.
 
     ``kernel(q, k, do, tt, gb, h, cu_seqlens, chunk_offsets, order, dh0_rows, dht, scale, dh, dvp, dh0, sd, ready)``
-    (``order`` as for ``fused_fwd.chunk_fwd_ws``, ``dh0_rows`` as its ``ht_rows``: the row of ``dh0`` each walk
+    (``order`` as for ``chunk_recurrence.chunk_fwd_ws``, ``dh0_rows`` as its ``ht_rows``: the row of ``dh0`` each walk
     writes, -1 for none, or the one entry 0 for walk n to row n); ``dvp[chunk, hv]`` is the chunk's (C, V) dV'
     tile, its rows past the sequence's end unspecified;
     ``sd[chunk, hv, bv, :]`` are the row sums over DV slice ``bv`` of dS' o S with the fp32 dS' (slot 1

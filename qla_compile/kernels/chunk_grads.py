@@ -16,7 +16,7 @@ Precision.  Accumulators are fp32.  The state recompute (the fused forward's ``s
 the forward's precision (S in the input dtype for K S; fp16 A_g, W', V', r o K) and stores h in fp16.
 GEMMs with a gradient operand (dO, dS', dV', dU0, dT~, ...) stay in the input dtype, so that in bf16
 dO-sized values keep their range; :func:`chunk_grads` also keeps K S in the input dtype (its shared
-memory is full).  The <dS', S> term of dg is summed by ``fused_bwd.chunk_dstates_ws`` from the fp32 dS'.
+memory is full).  The <dS', S> term of dg is summed by ``reverse_recurrence.chunk_dstates_ws`` from the fp32 dS'.
 dg of a no-decay head is what this is for: it is made of inner products of S and dS', so it carries
 the relative error of both.  (FP64 emulation of the bf16 GPU test case with GVA, L2 norm and h0, 200
 draws: dg's relative error RMS 5.9e-3 -> 4.4e-3 and draws above 1e-2 9.5% -> 2%; the bf16 rounding of
@@ -25,17 +25,17 @@ the L2-normalised q, k before the kernels alone gives 2.3e-3 RMS.)
 
 import tilelang.language as T
 
-from . import _DTYPES, gdr_fwd
+from . import kkt_inverse
 from ._build import compiled
-from .fused_bwd import _READY
-from .fused_fwd import _PTX, _ex2, _exp
+from .chunk_recurrence import _PTX, _ex2, _exp
+from .reverse_recurrence import _READY
 
-CHUNK = gdr_fwd.CHUNK
+CHUNK = kkt_inverse.CHUNK
 _LOG2E = 1.4426950408889634
 
 
 def _gamma(gb_s, a, b):
-    """Gamma_ab = exp(gamma_a - gamma_b) for b <= a, else 0, as one SFU ex2 (``fused_fwd._gamma_times``'s
+    """Gamma_ab = exp(gamma_a - gamma_b) for b <= a, else 0, as one SFU ex2 (``chunk_recurrence._gamma_times``'s
     grouping: the row and column terms are loaded once per thread, the mask is added as -1e30)."""
     x = gb_s[0, a] * _LOG2E - gb_s[0, b] * _LOG2E
     return _ex2(x + T.Select(b <= a, T.float32(0), T.float32(-1e30)))
@@ -116,11 +116,11 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
     (summed over the GVA group), and per v-head dv, dg, dbeta.
 
     Call as ``kernel(q, k, v, do, tt, gb, h, dh, dvp, sd, ready, target, cu_seqlens, chunk_offsets, order, scale,
-    acc, dq, dk, dv, dg, dbeta)`` with ``tt``, ``gb`` from ``gdr_fwd.kkt_inverse`` (gamma and the masked beta of
+    acc, dq, dk, dv, dg, dbeta)`` with ``tt``, ``gb`` from ``kkt_inverse`` (gamma and the masked beta of
     the chunk), ``tt.shape[0] >= n_tok // 64 + n_seq`` chunk slots (as ``backward`` allocates), and the grid one
     slot longer than that.
 
-    Launched right behind ``fused_bwd.chunk_dstates_ws`` (with ``pdl``, as its programmatic dependent, so that
+    Launched right behind ``reverse_recurrence.chunk_dstates_ws`` (with ``pdl``, as its programmatic dependent, so that
     it runs on the SMs the recurrence leaves idle): CTA (hk, rank) takes row ``rank`` of ``order``, int32
     ``(chunk slot, first token, length, 0)`` (``backward._grads_order``; with a placeholder row of -1 it takes
     the slots last to first and searches ``chunk_offsets`` for their sequences) and, before loading dS', sd and
@@ -243,7 +243,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
             if rank >= n_order or entry[0] < 0:
                 chunk = T.if_then_else(rank < n_real, n_real - 1 - rank, rank)
                 if chunk < n_real:
-                    seq = gdr_fwd._owning_sequence(chunk_offsets, n_seq, chunk)
+                    seq = kkt_inverse._owning_sequence(chunk_offsets, n_seq, chunk)
                     start = cu_seqlens[seq] + (chunk - chunk_offsets[seq]) * C
                     length = T.min(cu_seqlens[seq + 1] - start, C)
                 else:
@@ -523,4 +523,4 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
 def variants():
     """``(kernel name, params)`` of every :func:`chunk_grads` variant (for prebuild)."""
     return [("chunk_grads", dict(dk=128, dv=128, dtype=dt, pdl=pdl))
-            for dt in _DTYPES.values() for pdl in (True, False)]
+            for dt in ("bfloat16", "float16") for pdl in (True, False)]

@@ -1,4 +1,4 @@
-"""TileLang kernels for the GDN chunked forward on SM90 (chunk C = 64): the gate-free inverse.
+"""The gate-free inverse kernel of the GDN chunked forward on SM90 (chunk C = 64), and the chunk numbering.
 
 Notation as in ``shared/docs/gdn-kernel-design.md``: gamma = in-chunk inclusive cumsum of the log
 gate g, e = exp(gamma), r = exp(gamma_C - gamma), L~ = strictly_lower(diag(beta) K K^T),
@@ -14,9 +14,8 @@ every batch layout and length.  Chunks are numbered globally: sequence n owns ch
   substitution and the off-diagonal block -X A^-1 by one wgmma; T~ stored per chunk as
   ``[chunk, H_v, 64, 64]``. Rows past a sequence's end have beta = 0, so their rows of T~ are unit rows.
 
-The chunk recurrence that consumes T~ is ``fused_fwd.chunk_fwd_ws``.
+The chunk recurrence that consumes T~ is ``chunk_recurrence.chunk_fwd_ws``.
 """
-
 
 import tilelang.language as T
 
@@ -51,7 +50,7 @@ def kkt_inverse(*, dk: int, dtype: str):
     cumsum gamma with the masked beta (fp32 ``gb[chunk, hv] = [gamma; beta]``; rows past the
     sequence end get g = 0 and beta = 0, so their rows of T~ are unit rows) and int32
     ``bad[chunk, hv]``, nonzero when some token's map ``I - beta k k^T`` may not be a contraction
-    (``beta < 0`` or ``beta |k|^2 > 2``, |k|^2 from the diagonal of K K^T): ``cp_fwd.warmup_plan`` reads it.
+    (``beta < 0`` or ``beta |k|^2 > 2``, |k|^2 from the diagonal of K K^T): ``context_parallel.warmup_plan`` reads it.
 
     One CTA (one warpgroup) per (chunk, qk-head, group of up to 4 v-heads of that qk-head): K and
     K K^T (fp32, wgmma) are computed once and kept in shared memory; only beta and the inverse differ
@@ -212,64 +211,6 @@ def kkt_inverse(*, dk: int, dtype: str):
     return kernel
 
 
-_TABLE_BLOCK = 1024  # sequences per step of seq_tables' scan
-
-
-@compiled
-def seq_tables(*, cu_dtype: str):
-    """int32 ``cu_seqlens``, ``chunk_offsets`` (exclusive cumsum of ceil(len / 64)) and the launch order of the
-    state kernels in one launch.
-
-    Call as ``kernel(cu_in, cu, chunk_offsets, order)`` with ``cu_in`` the caller's int32 or int64 bounds.
-    One CTA scans the sequences 1024 at a time (a handful of tiny torch ops would cost a launch each).
-    ``order`` ``[N]`` lists the sequences by decreasing chunk count (ties in index order), so that the
-    longest walks of the recurrent kernels start first; with more than 1024 sequences it is the identity.
-    """
-    n_seq1 = T.dynamic("n_seq1")
-    B = _TABLE_BLOCK
-
-    @T.prim_func
-    def kernel(
-        cu_in: T.Tensor((n_seq1,), cu_dtype),
-        cu: T.Tensor((n_seq1,), "int32"),
-        chunk_offsets: T.Tensor((n_seq1,), "int32"),
-        order: T.Tensor((n_seq1 - 1,), "int32"),
-    ):
-        with T.Kernel(1, threads=B):
-            n_s = T.alloc_shared((B,), "int32")
-            c_s = T.alloc_shared((B,), "int32")
-            tx = T.get_thread_binding()
-            base = T.alloc_var("int32", init=0)
-            for blk in T.serial(T.ceildiv(n_seq1, B)):
-                i = blk * B + tx
-                length = T.if_then_else((i >= 1) & (i < n_seq1), T.cast(cu_in[i] - cu_in[i - 1], "int32"), 0)
-                n_s[tx] = T.ceildiv(length, CHUNK)
-                T.cumsum(n_s)
-                if i < n_seq1:
-                    cu[i] = T.cast(cu_in[i], "int32")
-                    chunk_offsets[i] = base + n_s[tx]
-                base = base + n_s[B - 1]
-            n_seq = n_seq1 - 1
-            if n_seq <= B:
-                # rank of sequence tx: the sequences with more chunks, and those before it with as many
-                own = T.if_then_else(tx < n_seq, T.ceildiv(T.cast(cu_in[tx + 1] - cu_in[tx], "int32"), CHUNK), 0)
-                c_s[tx] = own
-                T.sync_threads()
-                if tx < n_seq:
-                    rank = T.alloc_var("int32", init=0)
-                    for j in T.serial(n_seq):
-                        rank = rank + T.if_then_else((c_s[j] > own) | ((c_s[j] == own) & (j < tx)), 1, 0)
-                    order[rank] = tx
-            else:
-                for blk in T.serial(T.ceildiv(n_seq, B)):
-                    if blk * B + tx < n_seq:
-                        order[blk * B + tx] = blk * B + tx
-
-    return kernel
-
-
 def variants():
-    """``(kernel name, params)`` of every inverse and table variant the host entry point can launch."""
-    return [("kkt_inverse", dict(dk=128, dtype=dtype)) for dtype in ("bfloat16", "float16")] + [
-        ("seq_tables", dict(cu_dtype=dtype)) for dtype in ("int32", "int64")
-    ]
+    """``(kernel name, params)`` of both inverse variants (bf16 and fp16 k, K = 128)."""
+    return [("kkt_inverse", dict(dk=128, dtype=dtype)) for dtype in ("bfloat16", "float16")]

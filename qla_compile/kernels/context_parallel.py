@@ -9,13 +9,13 @@ and gets every piece's initial state without walking the sequence:
    piece's last chunks, ``M`` (whose norm is at most that decay when ``beta >= 0`` and ``beta |k|^2 <= 2``)
    is dropped and ``E`` is computed from a zero state over those last chunks only. Other heads run the
    whole piece and also form ``M`` (exact).
-2. ``fused_fwd.chunk_fwd_ws(transition=True)`` computes ``E`` (and ``M`` where needed) for every piece.
+2. ``chunk_recurrence.chunk_fwd_ws(transition=True)`` computes ``E`` (and ``M`` where needed) for every piece.
 3. :func:`scan` chains the pieces of each sequence: ``h0[p + 1] = M[p] h0[p] + E[p]``.
 4. The ordinary fused kernel runs over all pieces with these initial states.
 
 Dropping ``M`` changes the result by less than e^-10 (4.5e-5) relative; the ``M`` path is exact up to
 rounding (``M S`` is a TF32 tensor-core product). The plan needs the sequence lengths on the host;
-``qla_compile.kernels`` caches them and the piece tables, so that a CUDA-graph capture can reuse the
+``forward`` caches them and the piece tables, so that a CUDA-graph capture can reuse the
 plan of an earlier uncaptured call.
 """
 
@@ -25,7 +25,7 @@ import torch
 import tilelang.language as T
 
 from ._build import compiled
-from .gdr_fwd import CHUNK
+from .kkt_inverse import CHUNK
 
 # log of the state decay over a warm-up window that lets the piece's transition M be dropped
 _WARMUP_LOG_DECAY = -10.0
@@ -88,7 +88,7 @@ def warmup_plan():
 
     Call as ``kernel(gb, bad, chunk_offsets, final, skip)``: ``gb`` the forward's ``[slots, H_v, 2, 64]`` gate
     table (row 0, column 63: a chunk's summed log gate), ``bad`` its int32 ``[slots, H_v]`` contraction flags
-    (both from ``gdr_fwd.kkt_inverse``), ``chunk_offsets`` the pieces' int32 ``[P+1]`` table, ``final`` int32
+    (both from ``kkt_inverse``), ``chunk_offsets`` the pieces' int32 ``[P+1]`` table, ``final`` int32
     ``[P]`` (nonzero: E and M of that piece are not needed, skip = ``_NO_CHUNKS``); writes int32 ``skip``
     ``[P, H_v]``.
 

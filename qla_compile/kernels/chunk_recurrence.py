@@ -2,7 +2,7 @@
 warpgroups that hand work to each other through shared memory and mbarriers.
 
 One CTA per (sequence, v-head, DV slice), 512 threads, looping over the sequence's chunks; T~ and the
-gate cumsum come from ``gdr_fwd.kkt_inverse`` (notation and chunk numbering there). Per chunk i:
+gate cumsum come from ``kkt_inverse`` (notation and chunk numbering there). Per chunk i:
 
 * WG0 "state" holds S (fp32, registers). Publishes S_i to shared memory (input dtype), builds r o K in
   fp16, then S <- e^{gamma_C} S + (r o K)^T V'.
@@ -13,7 +13,7 @@ gate cumsum come from ``gdr_fwd.kkt_inverse`` (notation and chunk numbering ther
   (a partial last chunk is stored by rows, masked).
 * WG3 "producer": one warp TMA-loads q and k, one v, one T~ and [gamma; beta] into a two-stage ring.
 
-Two more modes share this body: ``transition`` (context parallelism, see ``cp_fwd``) and ``store_h``
+Two more modes share this body: ``transition`` (context parallelism, see ``context_parallel``) and ``store_h``
 (the backward's state recompute: no output; WG0 also writes S_i in fp16, which WG2 TMA-stores per chunk).
 
 The state chain per chunk is publish S -> K S -> W' -> A_g W' -> (r o K)^T V'; the rest runs beside it.
@@ -31,7 +31,7 @@ fp32 accumulators and gate tables.
 import tilelang.language as T
 
 from ._build import compiled
-from .gdr_fwd import CHUNK
+from .kkt_inverse import CHUNK
 
 # setmaxnreg per warpgroup (state, delta, output, producer): sums to 512 = 65536 registers / 128.
 _NREG = (192, 136, 160, 24)
@@ -69,12 +69,12 @@ def _gamma_times(gb_s, st, a, b, row_log2=0.0, col_log2=0.0):
 def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128, transition: bool = False,
                  store_h: bool = False):
     """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0,
-    scale, o, ht)``, ``order`` the sequences in launch order (``kernels._tables``: longest first, so that the
+    scale, o, ht)``, ``order`` the sequences in launch order (``forward._tables``: longest first, so that the
     longest walks start first). ``ht_rows`` int32: the row of ``ht`` each walk's final state goes to (-1: none;
-    context-parallel pieces, ``kernels._Pieces.ht_row``), or the one entry 0 (``cu_seqlens[:1]``) for walk n to
+    context-parallel pieces, ``forward._Pieces.ht_row``), or the one entry 0 (``cu_seqlens[:1]``) for walk n to
     row n.
 
-    With ``transition`` (the context-parallel prologue, see ``cp_fwd``) it computes no output but, per
+    With ``transition`` (the context-parallel prologue, see ``context_parallel``) it computes no output but, per
     (piece, v-head), the affine map of the piece's state recurrence, ``S_end = M S_start + E``:
     ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, skip, ht, mt)`` writes E to ``ht`` and M to
     ``mt``. ``skip[piece, hv]`` >= 0 is a warm-up window: only the piece's chunks from ``skip`` on are

@@ -1,0 +1,429 @@
+"""Host code of the GDN chunked-prefill forward on SM90: checks, chunk and piece tables, the kernel launches.
+
+Entry points, called by ``qla_compile.dispatch`` on SM90 CUDA tensors (and exported by ``qla_compile.kernels``):
+
+* :func:`hopper_supported` -- whether these kernels handle the given tensors (:func:`unsupported`: why not).
+* :func:`chunk_gdr_fwd_hopper` -- ``(o, final_state)``.
+* :func:`chunk_gdr_fwd_hopper_aux` -- ``(o, final_state, tt, gb, chunk_offsets, cp_cache)``, also returning
+  the gate-free inverse T~, the per-chunk gate cumsum and the context-parallel plan's products for a
+  backward pass.
+
+The forward is two kernels: ``kkt_inverse`` (gate cumsum and the gate-free inverse T~, all
+chunks in parallel) and ``chunk_recurrence.chunk_fwd_ws`` (the warp-specialised chunk recurrence). When few
+long sequences would leave SMs idle, ``context_parallel`` cuts them into pieces that run in parallel
+(gate-driven context parallelism: a warm-up or exact transition per piece, then a scan of the
+pieces' initial states). The recurrent kernels start the longest sequences (or pieces) first, so that
+unequal lengths do not leave a long walk to the end of the launch.
+One compile per (K, V, dtype, initial state or not, V split or not) serves every head count, length
+and batch layout:
+a dense ``[B, T]`` batch runs as one packed sequence with ``cu_seqlens = [0, T, 2T, ...]``.
+
+CUDA graphs: dense inputs are capturable (no host sync; the chunk tables are built on the device).
+Varlen inputs are capturable too, with no warm-up call, when ``cu_seqlens`` is already a CUDA tensor:
+the number of chunk slots is bounded by ``T_total // 64 + N`` from shapes alone (a CPU ``cu_seqlens``
+is copied to the device, which capture forbids). Context parallelism needs the sequence lengths on
+the host: with H_v <= 60 an uncaptured varlen call reads a CUDA ``cu_seqlens`` (one synchronisation,
+once per tensor: the lengths are cached by identity and version) and builds the piece tables; a
+captured call runs context-parallel only when an earlier uncaptured call with the same ``cu_seqlens``
+tensor (or the same dense shape) left that plan in the cache, and unsplit otherwise.
+Known gaps: a log gate of -inf gives NaN (clamp g >= -88 before the call); the q/k L2 norm runs as
+torch ops before the kernels.
+"""
+
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from . import chunk_recurrence, context_parallel, kkt_inverse, seq_tables
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_HEAD_DIMS = (128,)
+# Below this many (sequence, v-head) pairs the V dimension is split in two to fill the 132 SMs.
+_FULL_DV_MIN_CTAS = 88
+# Context parallelism is only ever chosen for at most this many v-heads (``context_parallel.piece_chunks``).
+_CP_MAX_HEADS = 60
+# A plan cuts at most this many (piece, v-head) pairs beyond one piece per sequence: a longer piece length is
+# taken where the chosen one would cut more (only sequences of about 200k tokens or more are affected), so
+# that the forward's context-parallel cache has a size known from shapes (:func:`cp_cache_numel`).
+_CP_MAX_EXTRA_PIECE_HEADS = 512
+
+
+def unsupported(q, k, v) -> str | None:
+    """Why the SM90 kernels do not handle these q, k, v (device, arch, dtype, head dims, GVA), or None."""
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return f"tensors on {q.device.type}, not CUDA"
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability != (9, 0):
+        return f"an sm_{capability[0]}{capability[1]} GPU (the kernels are for SM90: H100/H200)"
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype} (the kernels take bf16/fp16 q, k, v)"
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        return "shapes other than q, k [B, T, H, K] and v [B, T, HV, V]"
+    h_qk, dk, h_v, dv = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
+    if dk not in _HEAD_DIMS or dv not in _HEAD_DIMS:
+        return f"head dims K = {dk}, V = {dv} (the kernels take K = V = 128)"
+    if h_v % h_qk:
+        return f"{h_v} v-heads for {h_qk} qk-heads (not a multiple)"
+    return None
+
+
+def hopper_supported(q, k, v, *args, **kwargs) -> bool:
+    """True when the SM90 kernels handle these q, k, v (:func:`unsupported` has no reason)."""
+    return unsupported(q, k, v) is None
+
+
+def _l2norm(x):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _tables(cu_seqlens, batch, seqlen, device):
+    """int32 cu_seqlens, chunk_offsets (exclusive cumsum of ceil(len / 64)) and the recurrent kernels' launch
+    order (longest sequence first, ``seq_tables``), built on the device."""
+    if cu_seqlens is None:
+        steps = torch.arange(batch + 1, device=device, dtype=torch.int32)
+        return steps * seqlen, steps * ((seqlen + kkt_inverse.CHUNK - 1) // kkt_inverse.CHUNK), steps[:-1]
+    cu_in = cu_seqlens.to(device)
+    if cu_in.dtype not in (torch.int32, torch.int64):
+        cu_in = cu_in.to(torch.int32)
+    tables = torch.empty(3 * cu_in.numel() - 1, device=device, dtype=torch.int32)
+    cu, offsets, order = tables.split([cu_in.numel(), cu_in.numel(), cu_in.numel() - 1])
+    seq_tables.seq_tables(cu_dtype=str(cu_in.dtype).removeprefix("torch."))(cu_in.contiguous(), cu, offsets, order)
+    return cu, offsets, order
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens):
+    if not hopper_supported(q, k, v):
+        raise ValueError(
+            f"chunk_gdr_fwd_hopper: unsupported inputs q{tuple(q.shape)} {q.dtype}, v{tuple(v.shape)} {v.dtype} "
+            f"on {q.device}: need SM90 CUDA, bf16/fp16, K = V in {_HEAD_DIMS}, H_v % H_qk == 0"
+        )
+    B, T, _, _ = q.shape
+    h_v = v.shape[2]
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (B, T, h_v):
+            raise ValueError(f"{name} must have shape {(B, T, h_v)}, got {tuple(t.shape)}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires batch size 1, got {B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got {tuple(cu_seqlens.shape)}")
+    n = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape != (n, h_v, q.shape[3], v.shape[3]):
+        raise ValueError(
+            f"initial_state must have shape {(n, h_v, q.shape[3], v.shape[3])}, got {tuple(initial_state.shape)}"
+        )
+
+
+# Host-side facts the context-parallel plan needs, cached so that a captured call can reuse them:
+# sequence lengths per live cu_seqlens tensor (checked by identity and version), piece tables per plan.
+_LENGTHS: dict = {}
+_PIECE_TABLES: dict = {}
+_CACHE_SIZE = 64
+
+
+def _host_lengths(cu_seqlens, batch, seqlen, read=True):
+    """Sequence lengths as a Python list, or None when reading them would break CUDA-graph capture
+    (a ``cu_seqlens`` seen before outside capture is answered from the cache) or, with ``read=False``,
+    would synchronise at all."""
+    if cu_seqlens is None:
+        return [seqlen] * batch
+    hit = _LENGTHS.get(id(cu_seqlens))
+    if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
+        return hit[2]
+    if not read or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    bounds = cu_seqlens.tolist()
+    lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    if len(_LENGTHS) >= _CACHE_SIZE:
+        _LENGTHS.clear()
+    _LENGTHS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, lens)
+    return lens
+
+
+class _Pieces(NamedTuple):
+    """Device int32 tables of a context-parallel plan (``context_parallel.pieces``), views of one tensor, and its piece
+    length."""
+
+    cu: torch.Tensor  # [P+1] token bounds of the pieces
+    offsets: torch.Tensor  # [P+1] first chunk slot of each piece
+    order: torch.Tensor  # [P] launch order of the recurrent kernels, longest piece first (as ``_tables``)
+    seq_pieces: torch.Tensor  # [N+1] first piece of each sequence
+    final_fwd: torch.Tensor  # [P] nonzero: the forward needs no transition of the piece (a sequence's last)
+    final_bwd: torch.Tensor  # [P] the same for the backward (a sequence's only piece)
+    first: torch.Tensor  # [P] nonzero: a sequence's first piece (its backward transition is not needed)
+    ht_row: torch.Tensor  # [P] the sequence whose final state a piece gives (its last piece), else -1
+    dh0_row: torch.Tensor  # [P] the sequence whose initial-state gradient a piece gives (its first piece), else -1
+    chunks: int  # the piece length in 64-token chunks
+
+
+_TABLE_POOLS: dict = {}
+
+
+def lasting_copy(host, device):
+    """``host`` (a CPU tensor) copied to ``device`` for a cache that outlives the call, from a memory pool of its
+    own: a CUDA-graph tree's warm-up run (``torch.compile(mode="reduce-overhead")``) allocates from its private
+    pool and must find only its outputs alive there afterwards."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    key = str(device)
+    if key not in _TABLE_POOLS:
+        _TABLE_POOLS[key] = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(_TABLE_POOLS[key], device):
+        return host.to(device)
+
+
+def _piece_tables(lens, chunks, device):
+    """The :class:`_Pieces` of cutting ``lens`` every ``chunks`` chunks, built once per plan (a captured call
+    reuses it; None when it is not built yet and the stream is capturing)."""
+    key = (str(device), tuple(lens), chunks)
+    if key not in _PIECE_TABLES:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        cu, offs, seq_pieces, last = context_parallel.pieces(lens, chunks)
+        order = sorted(range(len(last)), key=lambda p: offs[p] - offs[p + 1])  # stable: ties in piece order
+        firsts = set(seq_pieces[:-1])
+        first = [int(p in firsts) for p in range(len(last))]
+        only = [int(last[p] and first[p]) for p in range(len(last))]
+        seq_of = [n for n in range(len(seq_pieces) - 1) for _ in range(seq_pieces[n], seq_pieces[n + 1])]
+        ht_row = [seq_of[p] if last[p] else -1 for p in range(len(last))]
+        dh0_row = [seq_of[p] if first[p] else -1 for p in range(len(last))]
+        rows = [cu, offs, order, seq_pieces, [int(x) for x in last], only, first, ht_row, dh0_row]
+        flat = lasting_copy(torch.tensor([x for row in rows for x in row], dtype=torch.int32), device)
+        if len(_PIECE_TABLES) >= _CACHE_SIZE:
+            _PIECE_TABLES.clear()
+        _PIECE_TABLES[key] = _Pieces(*flat.split([len(row) for row in rows]), chunks)
+    return _PIECE_TABLES[key]
+
+
+def _extra_pieces(lens, chunks):
+    """Pieces of cutting ``lens`` every ``chunks`` chunks, beyond one per sequence (``context_parallel.pieces``)."""
+    return sum(max(1, -(-n // (chunks * kkt_inverse.CHUNK))) - 1 for n in lens)
+
+
+def cp_cache_numel(n_tok, n_seq, h_v: int, dk: int, dv: int):
+    """Elements of the forward's context-parallel cache (fp32, 1-D) for a forward that a backward follows:
+    an upper bound, from shapes alone, on what any plan of ``n_seq`` sequences of ``n_tok`` tokens in all
+    needs (:func:`_cp_cache_views`), so that ``qla::chunk_gdr_fwd`` has no data-dependent output size; 0
+    where no plan splits (more than ``_CP_MAX_HEADS`` v-heads). ``n_tok`` and ``n_seq`` may be SymInts.
+
+    A plan has one piece per sequence plus at most ``sum(chunks) // 8`` more (pieces are at least 8 chunks)
+    and at most ``_CP_MAX_EXTRA_PIECE_HEADS // h_v`` more (``_cp_plan``); each piece holds K x V + K x K
+    fp32 values and one int32 per v-head."""
+    if h_v > _CP_MAX_HEADS:
+        return 0
+    chunks = n_tok // kkt_inverse.CHUNK + n_seq  # a bound on the chunks of all sequences
+    extra = torch.sym_min(_CP_MAX_EXTRA_PIECE_HEADS // h_v, chunks // context_parallel.MIN_PIECE_CHUNKS)
+    return (n_seq + extra) * h_v * (dk * dv + dk * dk + 1)
+
+
+def _check_context_parallel(context_parallel):
+    if context_parallel is not None and context_parallel is not False and (
+            isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1):
+        raise ValueError(f"context_parallel must be None (choose), False (never split) or a piece length in "
+                         f"64-token chunks >= 1, got {context_parallel!r}")
+
+
+def _cp_plan(choice, cu_seqlens, batch, seqlen, h_v, device, backward):
+    """The :class:`_Pieces` of the context-parallel plan when the kernels run context-parallel, else None
+    (``choice``: the caller's ``context_parallel`` argument; ``backward``: the plan of a forward and backward pair,
+    ``context_parallel.piece_chunks``)."""
+    if choice is False or (choice is None and h_v > _CP_MAX_HEADS):
+        return None
+    lens = _host_lengths(cu_seqlens, batch, seqlen)
+    if lens is None:
+        return None
+    if choice is None:
+        n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+        chunks = context_parallel.piece_chunks(lens, h_v, n_sm, backward)
+        while chunks is not None and _extra_pieces(lens, chunks) * h_v > _CP_MAX_EXTRA_PIECE_HEADS:
+            chunks *= 2  # within what cp_cache_numel provides for
+    else:
+        chunks = choice
+    if chunks is None or max(lens) <= chunks * kkt_inverse.CHUNK:
+        return None
+    return _piece_tables(lens, chunks, device)
+
+
+def _state_arg(state, h_v, dk, dv, device):
+    """An optional state (initial state, final-state gradient) as the kernels take it: fp32 and
+    contiguous, or a one-slot placeholder they do not read when it is None."""
+    if state is None:
+        return torch.empty(1, h_v, dk, dv, device=device, dtype=torch.float32)
+    return state.to(torch.float32).contiguous()
+
+
+def _n_slots(n_tok, n_seq):
+    """Chunk slots of the per-chunk tables: a bound on the chunks of ``n_seq`` sequences of ``n_tok`` tokens
+    in all, from shapes alone."""
+    return n_tok // kkt_inverse.CHUNK + n_seq
+
+
+def _chunk_tables(n_tok, n_seq, h_v, device):
+    """Uninitialised per-chunk tables ``(tt, gb, bad)`` of :func:`_n_slots` slots (see
+    :func:`chunk_gdr_fwd_hopper_aux`; ``bad``: int32 ``[n_slots, H_v]`` contraction flags, ``kkt_inverse``)."""
+    n_slots = _n_slots(n_tok, n_seq)
+    tt = torch.empty(n_slots, h_v, kkt_inverse.CHUNK, kkt_inverse.CHUNK, device=device, dtype=torch.float16)
+    gb = torch.empty(n_slots, h_v, 2, kkt_inverse.CHUNK, device=device, dtype=torch.float32)
+    bad = torch.empty(n_slots, h_v, device=device, dtype=torch.int32)
+    return tt, gb, bad
+
+
+def _gate_inverse(k3, g, beta, cu, offsets, tables, dtype):
+    """``kkt_inverse`` into ``tables`` (from :func:`_chunk_tables`) for the packed ``k3`` and the
+    activated gates ``g``, ``beta`` (``[B, T, H_v]``, any float dtype)."""
+    n_tok, h_v = k3.shape[0], tables[1].shape[1]
+    g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
+    b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
+    kkt_inverse.kkt_inverse(dk=k3.shape[2], dtype=dtype)(k3, g_tok, b_tok, cu, offsets, *tables)
+
+
+def _block_dv(n_ctas, dv):
+    """The DV tile of the state kernels: all of V, or half of it when few CTAs would run."""
+    return dv if n_ctas >= _FULL_DV_MIN_CTAS else dv // 2
+
+
+def _cp_cache_views(cache, n_p, h_v, dk, dv):
+    """``(h0p, m, skip)`` of a context-parallel cache (the leading elements of one flat fp32 tensor): the
+    pieces' initial states fp32 ``[P, H_v, K, V]``, their transitions fp32 ``[P, H_v, K, K]`` and skip table
+    int32 ``[P, H_v]``; None when ``cache`` is too small for P pieces."""
+    a, b, c = n_p * h_v * dk * dv, n_p * h_v * dk * dk, n_p * h_v
+    if cache is None or cache.numel() < a + b + c:
+        return None
+    return (cache[:a].view(n_p, h_v, dk, dv), cache[a:a + b].view(n_p, h_v, dk, dk),
+            cache[a + b:a + b + c].view(torch.int32).view(n_p, h_v))
+
+
+# The plan each live context-parallel cache was filled for (None: not filled), by its address, so that a
+# backward uses a cache only for the plan it holds (a forward captured before the sequence lengths were
+# known runs unsplit, and its backward may know them).
+_CACHE_PLANS: dict = {}
+_CACHE_PLANS_SIZE = 4096
+
+
+def _record_cache_plan(cache, pieces):
+    if len(_CACHE_PLANS) >= _CACHE_PLANS_SIZE:
+        _CACHE_PLANS.clear()  # a backward whose record is gone recomputes what the cache held
+    _CACHE_PLANS[cache.data_ptr()] = pieces
+
+
+def cached_plan_views(cache, pieces, h_v, dk, dv):
+    """The :func:`_cp_cache_views` of a forward's ``cache`` when that forward filled it for ``pieces``, else
+    None."""
+    if cache is None or cache.numel() == 0 or _CACHE_PLANS.get(cache.data_ptr()) is not pieces:
+        return None
+    return _cp_cache_views(cache, pieces.order.numel(), h_v, dk, dv)
+
+
+def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces, backward=False, cache=None):
+    """Every piece's initial state from ``context_parallel``, for the :class:`_Pieces` ``pieces`` (``tt, gb, bad`` from
+    ``kkt_inverse``): ``(h0p, block_dv, skip,
+    m, cache)``, h0p fp32 ``[P, H_v, K, V]``; ``skip`` and the transitions ``m`` as the transition kernel left
+    them (M formed where ``skip < 0``); ``cache`` the flat tensor they are views of (:func:`_cp_cache_views`):
+    the given one where it is large enough, else a new one.
+    With ``backward`` M is also formed for the last piece of a sequence with several (the backward's reverse
+    scan needs M of every piece but the first)."""
+    h_v, dk, dv = v3.shape[1], k3.shape[2], v3.shape[2]
+    n_p = pieces.order.numel()
+    f32 = dict(device=q3.device, dtype=torch.float32)
+    views = _cp_cache_views(cache, n_p, h_v, dk, dv)
+    if views is None:
+        cache = torch.empty(n_p * h_v * (dk * dv + dk * dk + 1), **f32)
+        views = _cp_cache_views(cache, n_p, h_v, dk, dv)
+    h0p, m, skip = views
+    final = pieces.final_bwd if backward else pieces.final_fwd
+    context_parallel.warmup_plan()(gb, bad, pieces.offsets, final, skip)
+    e = torch.empty(n_p, h_v, dk, dv, **f32)
+    bv = _block_dv(n_p * h_v, dv)
+    chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=False, block_dv=bv, transition=True)(
+        q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, skip, e, m)
+    has_h0 = initial_state is not None
+    h0 = initial_state.to(torch.float32).contiguous() if has_h0 else e[:1]
+    context_parallel.scan(dk=dk, dv=dv, has_h0=has_h0)(e, m, skip, pieces.seq_pieces, h0, h0p)
+    return h0p, bv, skip, m, cache
+
+
+def _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, pieces, for_backward, cache=None):
+    """The fused forward over the :class:`_Pieces` ``pieces``, their initial states from ``context_parallel``:
+    ``(o, final_state, cache)`` (``cache`` as ``_piece_initial_states`` with ``backward=for_backward``)."""
+    h0p, bv, _, _, cache = _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
+                                                 for_backward, cache)
+    o = torch.empty_like(v3)
+    ht = torch.empty(pieces.seq_pieces.numel() - 1, *h0p.shape[1:], device=h0p.device, dtype=h0p.dtype)
+    chunk_recurrence.chunk_fwd_ws(dk=k3.shape[2], dv=v3.shape[2], dtype=dtype, has_h0=True, block_dv=bv)(
+        q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, pieces.ht_row, h0p, float(scale), o, ht)
+    return o, ht, cache
+
+
+def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
+                             use_qk_l2norm: bool = False, context_parallel=None, for_backward: bool = True):
+    """The forward plus the aux a backward can reuse.
+
+    Returns ``(o, final_state, tt, gb, chunk_offsets, cp_cache)``. Chunk j of sequence n is slot
+    ``chunk_offsets[n] + j`` (int32 ``[N+1]``) of ``n_slots = B*T // 64 + N`` slots (the unused tail slots
+    hold garbage). ``tt``: T~ = (I + strictly_lower(diag(beta) K K^T))^-1, fp16 ``[n_slots, H_v, 64, 64]``;
+    ``gb``: fp32 ``[n_slots, H_v, 2, 64]``, row 0 the in-chunk inclusive cumsum of g, row 1 beta; rows past
+    a sequence's end have g = beta = 0 (so gamma repeats the last value and T~ has unit rows there).
+    With ``use_qk_l2norm`` the kernels see the normalised q, k (done here with torch ops).
+    ``context_parallel``: None chooses (``context_parallel.piece_chunks``, with ``for_backward`` the rule of a forward
+    and backward pair), False never splits, an int splits every longer sequence into pieces of that many
+    chunks. ``cp_cache``: with ``for_backward``, a flat fp32 tensor of :func:`cp_cache_numel` elements (a size
+    known from shapes) that holds, when the forward ran context-parallel, the pieces' initial states,
+    transitions and skip table (``_cp_cache_views``; the transitions formed for a backward, so it skips that
+    plan; :func:`cached_plan_views` tells a backward whether and for which plan it was filled); else empty.
+    Tokens after ``cu_seqlens[-1]`` are not written.
+    """
+    _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    _check_context_parallel(context_parallel)
+    B, T, h_qk, dk = q.shape
+    h_v, dv = v.shape[2], v.shape[3]
+    dtype = _DTYPES[q.dtype]
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    n_tok = B * T
+    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    tt, gb, bad = _chunk_tables(n_tok, n_seq, h_v, q.device)
+    cache = torch.empty(cp_cache_numel(n_tok, n_seq, h_v, dk, dv) if for_backward else 0, device=q.device,
+                        dtype=torch.float32)
+    if cache.numel():
+        _record_cache_plan(cache, None)
+    if n_tok == 0:
+        ht = torch.zeros(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
+        if initial_state is not None:
+            ht.copy_(initial_state)
+        return v.new_empty(v.shape), ht, tt, gb, torch.zeros(n_seq + 1, device=q.device, dtype=torch.int32), cache
+    q3 = q.reshape(n_tok, h_qk, dk).contiguous()
+    k3 = k.reshape(n_tok, h_qk, dk).contiguous()
+    v3 = v.reshape(n_tok, h_v, dv).contiguous()
+    cu, offsets, order = _tables(cu_seqlens, B, T, q.device)
+    _gate_inverse(k3, g, beta, cu, offsets, (tt, gb, bad), dtype)
+
+    cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device, for_backward)
+    if cp is not None:
+        o, ht, filled = _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, cp, for_backward, cache)
+        if for_backward:  # an explicit context_parallel may need more than the chosen plans' bound
+            cache = filled
+            _record_cache_plan(cache, cp)
+        return o.view(B, T, h_v, dv), ht, tt, gb, offsets, cache
+    has_h0 = initial_state is not None
+    h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
+    o = torch.empty_like(v3)
+    ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
+    kernel = chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=_block_dv(n_seq * h_v, dv))
+    kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], h0, float(scale), o, ht)  # cu[:1] = [0]: walk n to row n
+    return o.view(B, T, h_v, dv), ht, tt, gb, offsets, cache
+
+
+def chunk_gdr_fwd_hopper(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
+                         use_qk_l2norm: bool = False, context_parallel=None):
+    """GDN chunked forward on SM90.
+
+    q, k: ``[B, T, H_qk, K]``; v: ``[B, T, H_v, V]`` (bf16 or fp16, same dtype); g: ``[B, T, H_v]`` log-space
+    gate (<= 0, fp32 or q's dtype); beta: ``[B, T, H_v]`` (already activated); initial_state: fp32
+    ``[N, H_v, K, V]`` or None; cu_seqlens: ``[N+1]`` int (B == 1) or None.
+    Returns ``o`` ``[B, T, H_v, V]`` in v's dtype and the fp32 final state ``[N, H_v, K, V]``.
+    """
+    o, ht, *_ = chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm,
+                                         context_parallel, for_backward=False)
+    return o, ht
