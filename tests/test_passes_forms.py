@@ -6,7 +6,7 @@ import torch
 
 import qla_compile as qb
 from gdn_forms import FORMS, LOOK_ALIKES, gdn_read_before_update, recurrent_repeat_interleave
-from gdn_inputs import make_inputs, rel_err
+from gdn_inputs import make_inputs, outputs_and_grads, rel_err
 from qla_compile import recurrent_gdr_reference
 from qla_compile.passes.fuse import PASS_BUDGET_SECONDS
 
@@ -14,55 +14,29 @@ NAMES = ("q", "k", "v", "g", "beta")
 
 
 def _compiled(fn, args, differentiable=True):
-    """Outputs and gradients (``_grads``) of ``fn`` compiled with the backend, and the pass's report."""
+    """Outputs and gradients (``outputs_and_grads``) of ``fn`` compiled with the backend, and the pass's report."""
     torch._dynamo.reset()
     backend = qb.make_backend(inductor=False, front_door=False)
-    outs, grads = _grads(torch.compile(fn, backend=backend, fullgraph=True), args, differentiable)
+    outs, grads = outputs_and_grads(torch.compile(fn, backend=backend, fullgraph=True), args, differentiable)
     (report,) = backend.reports
     assert report.pass_seconds <= PASS_BUDGET_SECONDS, report.summary()
     return outs, grads, report
 
 
-def _outputs(out):
-    return list(out) if isinstance(out, tuple) else [out]
-
-
-def _loss(outs, seed=0):
-    """A fixed random projection of all outputs, so every output element gets a gradient of its own."""
-    gen = torch.Generator().manual_seed(seed)
-    return sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum() for o in outs)
-
-
-def _grads(fn, args, differentiable=True):
-    """Outputs of ``fn(*args)`` and the gradients of ``_loss`` by each argument (zero where unused; none at all
-    unless ``differentiable``)."""
-    if not differentiable:
-        with torch.no_grad():
-            return _outputs(fn(*args)), []
-    leaves = [a.detach().requires_grad_() for a in args]
-    outs = _outputs(fn(*leaves))
-    grads = torch.autograd.grad(_loss(outs), leaves, materialize_grads=True)
-    return [o.detach() for o in outs], grads
-
-
 def _form_inputs(form, seed):
-    """The form's arguments (its layout and dtype) and the oracle's: the same values, token-major."""
+    """The form's arguments, in its layout and dtype (the initial state fp32)."""
     kw = make_inputs(B=2, T=form.T, H=form.H, HV=form.HV, K=16, V=16, l2norm=form.l2norm,
                      initial_state=form.initial_state, seed=seed)
-    tokens = [kw[n].to(form.dtype) for n in NAMES]
-    args = [x.transpose(1, 2).contiguous() for x in tokens] if form.head_major else list(tokens)
-    if form.initial_state:
-        tokens.append(kw["initial_state"])
-        args.append(kw["initial_state"])
-    return args, tokens
+    args = [kw[n].to(form.dtype) for n in NAMES]
+    args = [x.transpose(1, 2).contiguous() for x in args] if form.head_major else args
+    return args + ([kw["initial_state"]] if form.initial_state else [])
 
 
-def _oracle(form, tokens):
+def _oracle(form):
     """The float64 per-token recurrence, as a function of the form's arguments and with its outputs."""
     def run(*args):
         q, k, v, g, beta, *h0 = (a.transpose(1, 2) if form.head_major and i < 5 else a for i, a in enumerate(args))
-        o, state = recurrent_gdr_reference(q.double(), k.double(), v.double(), g.double(), beta.double(),
-                                           scale=form.scale, initial_state=h0[0].double() if h0 else None,
+        o, state = recurrent_gdr_reference(q, k, v, g, beta, scale=form.scale, initial_state=h0[0] if h0 else None,
                                            output_final_state=form.final_state,
                                            use_qk_l2norm_in_kernel=form.l2norm)
         o = o.transpose(1, 2) if form.head_major else o
@@ -74,9 +48,9 @@ def _oracle(form, tokens):
 @pytest.mark.parametrize("name", FORMS)
 def test_form_is_fused_and_matches_eager(name):
     form = FORMS[name]
-    args, tokens = _form_inputs(form, seed=sorted(FORMS).index(name))
-    eager, eager_grads = _grads(form.fn, args, form.differentiable)
-    oracle, oracle_grads = _grads(_oracle(form, tokens), args, form.differentiable)
+    args = _form_inputs(form, seed=sorted(FORMS).index(name))
+    eager, eager_grads = outputs_and_grads(form.fn, args, form.differentiable)
+    oracle, oracle_grads = outputs_and_grads(_oracle(form), [a.double() for a in args], form.differentiable)
     half = form.dtype != torch.float32
     assert max(rel_err(e, r) for e, r in zip(eager, oracle)) < (1e-2 if half else 1e-5)  # the form is GDN
     outs, grads, report = _compiled(form.fn, args, form.differentiable)
@@ -102,7 +76,7 @@ def _look_alike_inputs(form, seed):
 def test_look_alike_is_left_alone(name):
     form = LOOK_ALIKES[name]
     args = _look_alike_inputs(form, seed=sorted(LOOK_ALIKES).index(name))
-    eager, eager_grads = _grads(form.fn, args)
+    eager, eager_grads = outputs_and_grads(form.fn, args)
     outs, grads, report = _compiled(form.fn, args)
     assert report.fused_calls == 0 and report.nodes_after == report.nodes_before, report.summary()
     assert all(r.status == "rejected" for r in report.regions), report.summary()
