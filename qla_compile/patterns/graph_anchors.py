@@ -40,7 +40,7 @@ REGION_OPS = LAYOUT | CUMSUM | SUB | EXP | PAIRWISE_MASKS | frozenset({
     "masked_fill_", "copy_", "zero_", "size", "sym_size", "mod", "floordiv", "sub", "eq", "lt", "le", "gt", "ge",
     "logical_not", "invert", "bitwise_not", "and_", "bool", "squeeze", "select", "unbind", "index_select",
     "linalg_solve", "solve", "linalg_vector_norm", "vector_norm", "clamp", "clamp_min", "clamp_max", "amax",
-    "tril_", "triu_", "div_", "fill_", "neg_", "empty",
+    "tril_", "triu_", "div_", "fill_", "neg_", "empty", "tensor", "scalar_tensor",
 })
 #: Ops returning a tuple whose elements the region may own (a sequence taken apart token by token).
 OWNED_TUPLES = frozenset({"unbind"})
