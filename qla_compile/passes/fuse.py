@@ -18,7 +18,7 @@ from torch import fx
 from .. import ops
 from .dataflow import Dataflow, written
 from .prove import Binding, NotProven, prove
-from .regions import Anchor, Region, find_anchors, grow, mutates_outside, output_candidates
+from .regions import BOUNDARIES, Anchor, Region, find_anchors, grow, mutates_outside, output_candidates
 from .report import GraphReport, RegionReport
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,8 @@ def _fuse_one(gm: fx.GraphModule, flow: Dataflow, anchor: Anchor, deadline: floa
         result.reason = "its flow does not end in one 4-D output (and optionally a final state)"
         return result
     new = False
-    for outputs, split_heads_outside in itertools.product(candidates, (False, True)):
-        region = grow(flow, anchor.node, outputs, split_heads_outside)
+    for outputs, boundary in itertools.product(candidates, BOUNDARIES):
+        region = grow(flow, anchor.node, outputs, boundary)
         key = (tuple(region.outputs), tuple(region.inputs))
         if key in tried:
             continue

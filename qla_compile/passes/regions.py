@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from ..patterns.graph_anchors import (
-    CUMSUM, DECAY_PRODUCTS, DECAY_VIEWS, EXP, LAYOUT, OWNED_TUPLES, PAIRWISE_MASKS, PAIRWISE_VIEWS, REGION_OPS,
+    CUMSUM, DECAY_PRODUCTS, DECAY_VIEWS, EXP, JOINS, LAYOUT, OWNED_TUPLES, PAIRWISE_MASKS, PAIRWISE_VIEWS, REGION_OPS,
     RESHAPES, SUB,
 )
 from .dataflow import Dataflow, is_mutation, is_tensor, op_name, value, written
@@ -153,10 +153,17 @@ def _layout_extensions(flow: Dataflow, node: fx.Node) -> list[fx.Node]:
     chain = [node]
     for _ in range(_MAX_OUTPUT_EXTENSION):
         users = flow.users[chain[-1]]
-        if len(users) != 1 or op_name(users[0]) not in LAYOUT or users[0].args[0] is not written(chain[-1]):
+        if len(users) != 1 or not _rearranges(users[0], written(chain[-1])):
             break
         chain.append(users[0])
     return [n for n in reversed(chain) if _is_4d(n)]
+
+
+def _rearranges(user: fx.Node, node: fx.Node) -> bool:
+    """``user`` only lays ``node`` out anew: a layout op on it, or a cat/stack of it alone (of one chunk)."""
+    if op_name(user) in JOINS:
+        return list(user.args[0]) == [node] if isinstance(user.args[0], (list, tuple)) else False
+    return op_name(user) in LAYOUT and user.args[0] is node
 
 
 def _state_exits(flow: Dataflow, anchor: Anchor) -> list[fx.Node]:
@@ -165,11 +172,16 @@ def _state_exits(flow: Dataflow, anchor: Anchor) -> list[fx.Node]:
     return sorted(exits, key=flow.index.__getitem__, reverse=True)
 
 
-def grow(flow: Dataflow, anchor: fx.Node, outputs: list[fx.Node], split_heads_outside: bool = False) -> Region:
+#: How far ``grow`` leaves the views of inputs outside the region, tried in this order.
+BOUNDARIES = ("as grown", "head splits outside", "slices and head splits outside")
+
+
+def grow(flow: Dataflow, anchor: fx.Node, outputs: list[fx.Node], boundary: str = BOUNDARIES[0]) -> Region:
     """The region ending in ``outputs``: every node it may own, and the nodes it reads from outside.
 
-    With ``split_heads_outside``, 3-D inputs reshaped to 4-D (a head split, or a chunking of the gates: which
-    one only the proof can tell) are taken after the reshape.
+    With head splits outside, 3-D inputs reshaped to 4-D (a head split, or a chunking of the gates: which
+    one only the proof can tell) are taken after the reshape; with slices outside, slices of an input that keep
+    its rank are inputs themselves (one tensor may hold several of q, k, v, g, beta: ``qkv[..., :d]``).
     """
     covered = flow.covered_by(outputs)
     region, inputs = set(), set()
@@ -187,7 +199,9 @@ def grow(flow: Dataflow, anchor: fx.Node, outputs: list[fx.Node], split_heads_ou
             else:
                 inputs.add(a)
     inputs -= region
-    if split_heads_outside:
+    if boundary == BOUNDARIES[2]:
+        _leave_slices_outside(flow, region, inputs)
+    if boundary != BOUNDARIES[0]:
         _pull_in_head_splits(flow, region, inputs)
     order = flow.index.__getitem__
     return Region(anchor, list(outputs), sorted(region, key=order), sorted(inputs, key=order))
@@ -209,6 +223,23 @@ def _pull_in_head_splits(flow: Dataflow, region: set, inputs: set) -> None:
                 region.discard(users[0])
                 inputs.add(users[0])
                 changed = True
+
+
+def _leave_slices_outside(flow: Dataflow, region: set, inputs: set) -> None:
+    """Take the slices of each input (``x[..., a:b]``, only slices; their bounds from outside too) as inputs."""
+    for x in [x for x in inputs if is_tensor(x)]:
+        for s in flow.users[x]:
+            if s in region and _is_slice(s) and not any(a in region for a in s._input_nodes):
+                region.discard(s)
+                inputs.add(s)
+        if not any(u in region for u in flow.users[x]):
+            inputs.discard(x)
+
+
+def _is_slice(node: fx.Node) -> bool:
+    index = node.args[1] if op_name(node) == "getitem" and len(node.args) == 2 else None
+    index = index if isinstance(index, tuple) else (index,)
+    return is_tensor(node) and all(isinstance(i, slice) or i is Ellipsis for i in index)
 
 
 def _may_own(node: fx.Node) -> bool:

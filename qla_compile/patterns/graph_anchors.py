@@ -26,6 +26,9 @@ LAYOUT = frozenset({
     "bfloat16", "double", "type", "getattr",  # getattr: x.mT, x.T
 })
 
+#: Joins of tensors; a join of a single tensor (the outputs of a one-chunk loop) is a layout op too.
+JOINS = frozenset({"cat", "stack"})
+
 #: Reshapes that split or merge heads; a region input is taken after them.
 RESHAPES = frozenset({"reshape", "view", "unflatten", "flatten", "rearrange"})
 
