@@ -3,6 +3,7 @@ fused into one call of our op, every look-alike is left as it was; outputs and g
 stays within its time budget."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import qla_compile as qb
 from gdn_forms import (
@@ -118,3 +119,23 @@ def test_two_layers_and_a_look_alike_in_one_graph():
     assert roles["q"] != roles["v"], report.summary()  # q is the slice x[:, :, :2], v all of x
     assert all(rel_err(o, e) < 1e-4 for o, e in zip(outs, eager))
     assert all(rel_err(d, e) < 1e-3 for d, e in zip(grads, eager_grads))
+
+
+def test_a_layer_slicing_q_k_v_from_one_projection():
+    """q, k, v as slices of one projection (head splits after the slices) and the gates as ``-softplus(a)`` and
+    ``sigmoid(b)``, into the recurrence: the region starts after the slices, head splits and the negation."""
+    torch.manual_seed(0)
+    B, T, H, K, D = 2, 12, 2, 16, 32
+    qkv_proj, gate_proj = torch.nn.Linear(D, 3 * H * K), torch.nn.Linear(D, 2 * H)
+
+    def layer(x):
+        qkv = qkv_proj(x)
+        q, k, v = (qkv[..., i * H * K:(i + 1) * H * K].reshape(B, T, H, K) for i in range(3))
+        a, b = gate_proj(x).chunk(2, -1)
+        return recurrent_repeat_interleave(q, k, v, -F.softplus(a), b.sigmoid())
+
+    x = torch.randn(B, T, D)
+    eager, eager_grads = outputs_and_grads(layer, [x])
+    outs, grads, report = _compiled(layer, [x])
+    assert [r.status for r in report.regions] == ["replaced"], report.summary()
+    assert rel_err(outs[0], eager[0]) < 1e-4 and rel_err(grads[0], eager_grads[0]) < 1e-3

@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from ..patterns.graph_anchors import (
-    CUMSUM, DECAY_PRODUCTS, DECAY_VIEWS, EXP, JOINS, LAYOUT, OWNED_TUPLES, PAIRWISE_MASKS, PAIRWISE_VIEWS, REGION_OPS,
+    CUMSUM, DECAY_PRODUCTS, DECAY_VIEWS, EXP, GATE_MAPS, JOINS, LAYOUT, OWNED_TUPLES, PAIRWISE_MASKS, PAIRWISE_VIEWS, REGION_OPS,
     RESHAPES, SUB,
 )
 from .dataflow import Dataflow, is_mutation, is_tensor, op_name, value, written
@@ -172,17 +172,9 @@ def _state_exits(flow: Dataflow, anchor: Anchor) -> list[fx.Node]:
     return sorted(exits, key=flow.index.__getitem__, reverse=True)
 
 
-#: How far ``grow`` leaves the views of inputs outside the region, tried in this order.
-BOUNDARIES = ("as grown", "head splits outside", "slices and head splits outside")
-
-
-def grow(flow: Dataflow, anchor: fx.Node, outputs: list[fx.Node], boundary: str = BOUNDARIES[0]) -> Region:
-    """The region ending in ``outputs``: every node it may own, and the nodes it reads from outside.
-
-    With head splits outside, 3-D inputs reshaped to 4-D (a head split, or a chunking of the gates: which
-    one only the proof can tell) are taken after the reshape; with slices outside, slices of an input that keep
-    its rank are inputs themselves (one tensor may hold several of q, k, v, g, beta: ``qkv[..., :d]``).
-    """
+def grow(flow: Dataflow, anchor: fx.Node, outputs: list[fx.Node], boundary=()) -> Region:
+    """The region ending in ``outputs``: every node it may own, and the nodes it reads from outside, whose
+    boundary is then moved past what the steps in ``boundary`` (one of ``BOUNDARIES``) leave outside."""
     covered = flow.covered_by(outputs)
     region, inputs = set(), set()
     stack = list(outputs)
@@ -199,10 +191,8 @@ def grow(flow: Dataflow, anchor: fx.Node, outputs: list[fx.Node], boundary: str 
             else:
                 inputs.add(a)
     inputs -= region
-    if boundary == BOUNDARIES[2]:
-        _leave_slices_outside(flow, region, inputs)
-    if boundary != BOUNDARIES[0]:
-        _pull_in_head_splits(flow, region, inputs)
+    for step in boundary:
+        step(flow, region, inputs)
     order = flow.index.__getitem__
     return Region(anchor, list(outputs), sorted(region, key=order), sorted(inputs, key=order))
 
@@ -225,6 +215,22 @@ def _pull_in_head_splits(flow: Dataflow, region: set, inputs: set) -> None:
                 changed = True
 
 
+def _leave_gate_maps_outside(flow: Dataflow, region: set, inputs: set) -> None:
+    """Take each 3-D input after the chain of shape-keeping elementwise maps (``GATE_MAPS``: a negation, a
+    scaling, a cast) that are its only use in the region and read nothing else of it."""
+    for x in [x for x in inputs if is_tensor(x) and value(x).dim() == 3]:
+        while True:
+            users = [u for u in flow.users[x] if u in region]
+            if not (len(users) == 1 and op_name(users[0]) in GATE_MAPS and is_tensor(users[0])
+                    and value(users[0]).shape == value(x).shape
+                    and all(a is x or (a not in region and not is_tensor(a)) for a in users[0]._input_nodes)):
+                break
+            region.discard(users[0])
+            inputs.discard(x)
+            inputs.add(users[0])
+            x = users[0]
+
+
 def _leave_slices_outside(flow: Dataflow, region: set, inputs: set) -> None:
     """Take the slices of each input (``x[..., a:b]``, only slices; their bounds from outside too) as inputs."""
     for x in [x for x in inputs if is_tensor(x)]:
@@ -240,6 +246,18 @@ def _is_slice(node: fx.Node) -> bool:
     index = node.args[1] if op_name(node) == "getitem" and len(node.args) == 2 else None
     index = index if isinstance(index, tuple) else (index,)
     return is_tensor(node) and all(isinstance(i, slice) or i is Ellipsis for i in index)
+
+
+#: The region boundaries ``grow`` is tried with, in this order: as grown; 3-D inputs taken after the
+#: elementwise maps the region does to them alone (``-softplus(a)``: the region's g is the negation); also
+#: 3-D inputs taken after a reshape to 4-D (a head split, or a chunking of the gates: which one only the proof
+#: can tell); also slices of an input taken as inputs (one tensor may hold several of q, k, v: ``qkv[..., :d]``).
+BOUNDARIES = (
+    (),
+    (_leave_gate_maps_outside,),
+    (_leave_gate_maps_outside, _pull_in_head_splits),
+    (_leave_slices_outside, _leave_gate_maps_outside, _pull_in_head_splits),
+)
 
 
 def _may_own(node: fx.Node) -> bool:

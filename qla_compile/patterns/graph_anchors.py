@@ -29,6 +29,9 @@ LAYOUT = frozenset({
 #: Joins of tensors; a join of a single tensor (the outputs of a one-chunk loop) is a layout op too.
 JOINS = frozenset({"cat", "stack"})
 
+#: Elementwise maps a region may do to its gates alone; its g or beta may be taken after them.
+GATE_MAPS = frozenset({"neg", "mul", "truediv", "float", "to", "type_as"})
+
 #: Reshapes that split or merge heads; a region input is taken after them.
 RESHAPES = frozenset({"reshape", "view", "unflatten", "flatten", "rearrange"})
 
