@@ -10,7 +10,8 @@
    filled in place ends in its last write (``dataflow.written``).
 3. **Region**: grown backwards from the outputs over nodes whose whole flow ends in the outputs and whose op
    an eager GDN may use (``REGION_OPS``); growth stops at projections, activations, placeholders and at
-   gates built from parameters, which become the region's inputs.
+   gates built from parameters, which become the region's inputs.  Failing a proof, the boundary is moved
+   past what the region does to its inputs alone (``BOUNDARIES``: gate maps, head splits, slices).
 
 A region is only a candidate: ``prove.py`` decides whether it is a gated delta rule.
 """
