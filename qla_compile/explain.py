@@ -33,8 +33,8 @@ class Explanation:
                  f"{self.fused_calls} fused GDN call(s)"]
         lines += [g.summary() for g in self.graphs]
         if not any(g.regions or g.front_door_calls for g in self.graphs):
-            lines.append("no GDN found: no known GDN function was called and no graph has a chunk-decay anchor "
-                         "(cumsum feeding exp of pairwise differences)")
+            lines.append("no GDN found: no known GDN function was called and no graph has an anchor (a cumsum "
+                         "feeding exp of pairwise differences, or a state decayed by exp(g) token after token)")
         lines.append("dynamo substitutions active for: " + (", ".join(sorted(set(self.substituted))) or "none"))
         for (impl, why), calls in sorted(self.implementations.items()):
             lines.append(f"GDN calls run by {impl}: {calls} ({why})")

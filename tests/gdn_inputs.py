@@ -1,4 +1,5 @@
-"""Fresh random GDN inputs for the tests, with a zero-decay head and a strong-decay head in every draw."""
+"""Fresh random GDN inputs for the tests, with a zero-decay head and a strong-decay head in every draw, and the
+tests' measures: relative error, outputs with gradients."""
 from __future__ import annotations
 
 import math
@@ -54,3 +55,18 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative L2 error ||x - ref|| / ||ref|| in float64."""
     ref = ref.double()
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def outputs_and_grads(fn, args, differentiable=True):
+    """Outputs of ``fn(*args)`` (a tensor or a tuple) and the gradients by each argument of a fixed random
+    projection of all outputs (zero for an unused argument; none at all unless ``differentiable``)."""
+    leaves = [a.detach().requires_grad_(differentiable) for a in args]
+    with torch.set_grad_enabled(differentiable):
+        out = fn(*leaves)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    if not differentiable:
+        return outs, []
+    gen = torch.Generator().manual_seed(0)
+    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum()
+               for o in outs)
+    return [o.detach() for o in outs], torch.autograd.grad(loss, leaves, materialize_grads=True)

@@ -60,3 +60,21 @@ def test_fla_naive_chunk_reference_is_fused():
     kw = make_inputs(T=20, H=2, HV=2, K=16, V=16, initial_state=True, seed=2)
     kw["use_qk_l2norm_in_kernel"] = False
     _check(naive.naive_chunk_gated_delta_rule, kw, True)
+
+
+def test_transformers_recurrent_form_is_fused():
+    """transformers' token-by-token recurrence (its decode path, here over 16 tokens): GVA, L2 norm, states."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+    fn = _copy(torch_recurrent_gated_delta_rule.__wrapped__)
+    kw = make_inputs(T=16, H=2, HV=4, K=16, V=16, l2norm=True, initial_state=True, seed=3)
+    report = _check(fn, kw, True)
+    assert "l2norm=True" in report.regions[0].reason and "final state" in report.regions[0].reason
+
+
+def test_fla_naive_recurrent_reference_is_fused():
+    naive = fla_naive()
+    kw = make_inputs(T=12, H=2, HV=2, K=16, V=16, initial_state=True, seed=4)
+    kw["use_qk_l2norm_in_kernel"] = False
+    fn = lambda q, k, v, g, beta, **kwargs: naive.naive_recurrent_gated_delta_rule(q, k, v, beta, g, **kwargs)
+    _check(fn, kw, True)

@@ -1,8 +1,9 @@
 """Dataflow over a dynamo FX graph with in-place writes made explicit.
 
 Dynamo keeps ``x[i] = y`` as an ``operator.setitem`` node with no users, and later reads of ``x`` use ``x``'s
-own node.  Here a mutation of ``x`` becomes a virtual edge to every later user of ``x``, so that
-"what flows where" (users, post-dominators) sees through in-place writes.
+own node.  Here each read of ``x`` reads the last write before it instead (the writes form a chain from ``x``),
+so that "what flows where" (users, post-dominators) sees through in-place writes, and a write stands for the
+tensor it leaves behind (:func:`written`): a buffer filled in place and then returned ends in its last write.
 """
 from __future__ import annotations
 
@@ -36,8 +37,18 @@ def node_args(node: fx.Node) -> list[fx.Node]:
     return list(node._input_nodes)
 
 
+def is_mutation(node: fx.Node) -> bool:
+    return op_name(node) in MUTATING and bool(node.args) and isinstance(node.args[0], fx.Node)
+
+
+def written(node: fx.Node) -> fx.Node:
+    """The tensor a write leaves its result in (its target), or ``node`` itself."""
+    return node.args[0] if is_mutation(node) else node
+
+
 class Dataflow:
-    """Users and arguments of each node, with mutation edges, plus post-dominators towards the graph output."""
+    """Users and arguments of each node, reads after a write rerouted to that write, plus post-dominators towards
+    the graph output."""
 
     def __init__(self, graph: fx.Graph):
         self.nodes = list(graph.nodes)
@@ -46,14 +57,17 @@ class Dataflow:
         self.args: dict[fx.Node, list[fx.Node]] = {n: node_args(n) for n in self.nodes}
         writes: dict[fx.Node, list[fx.Node]] = defaultdict(list)  # target -> mutating nodes, in order
         for n in self.nodes:
-            if op_name(n) in MUTATING and n.args and isinstance(n.args[0], fx.Node):
+            if is_mutation(n):
                 writes[n.args[0]].append(n)
         for target, muts in writes.items():
-            for m in muts:
-                for reader in target.users:
-                    if reader is not m and self.index[reader] > self.index[m]:
-                        self.users[m].append(reader)
-                        self.args[reader].append(m)
+            for reader in target.users:
+                last = next((m for m in reversed(muts) if self.index[m] < self.index[reader]), None)
+                if last is not None:
+                    self.users[target].remove(reader)
+                    self.args[reader].remove(target)
+                    self.users[last].append(reader)
+                    self.args[reader].append(last)
+        self._pdom: tuple | None = None
         self.sink = next(n for n in reversed(self.nodes) if n.op == "output")
         self.dead = self._dead_nodes()
         for n in self.nodes:
@@ -65,24 +79,30 @@ class Dataflow:
         for n in reversed(self.nodes):
             if n is self.sink or n.op in ("placeholder", "get_attr"):
                 continue
-            if op_name(n) in MUTATING and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder":
+            if is_mutation(n) and n.args[0].op == "placeholder":
                 continue
             if n.op in ("call_function", "call_method") and all(u in dead for u in self.users[n]):
                 dead.add(n)
         return dead
 
-    def post_dominators(self, ignore=frozenset()) -> dict[fx.Node, fx.Node | None]:
-        """Immediate post-dominator of every node (towards the graph output), paths into ``ignore`` left out."""
-        ipdom: dict[fx.Node, fx.Node | None] = {self.sink: None}
+    def post_dominator(self, nodes, ignore=frozenset()) -> fx.Node:
+        """The first node that all flow from ``nodes`` passes through (for one node, its immediate
+        post-dominator; the sink at worst), paths into ``ignore`` left out."""
+        if ignore:
+            ipdom, depth = self._post_dominator_tree(ignore)
+        else:  # the common case, cached
+            self._pdom = self._pdom or self._post_dominator_tree(ignore)
+            ipdom, depth = self._pdom
+        nodes = list(nodes)
+        p = ipdom[nodes[0]]
+        for n in nodes[1:]:
+            p = _meet(ipdom, depth, p, ipdom[n])
+        return p
+
+    def _post_dominator_tree(self, ignore) -> tuple[dict, dict]:
+        """Immediate post-dominator of every node towards the graph output, and its depth in that tree."""
+        ipdom: dict[fx.Node, fx.Node | None] = {self.sink: self.sink}
         depth = {self.sink: 0}
-
-        def meet(a, b):
-            while a is not b:
-                if depth[a] < depth[b]:
-                    a, b = b, a
-                a = ipdom[a]
-            return a
-
         for n in reversed(self.nodes):
             if n is self.sink:
                 continue
@@ -92,9 +112,9 @@ class Dataflow:
                 continue
             p = users[0]
             for u in users[1:]:
-                p = meet(p, u)
+                p = _meet(ipdom, depth, p, u)
             ipdom[n], depth[n] = p, depth[p] + 1
-        return ipdom
+        return ipdom, depth
 
     def covered_by(self, outputs) -> set[fx.Node]:
         """Nodes all of whose flow ends in ``outputs`` (they can be removed once the outputs are replaced)."""
@@ -107,11 +127,20 @@ class Dataflow:
                 covered.add(n)
         return covered
 
-    def descendants(self, node: fx.Node) -> set[fx.Node]:
-        seen, stack = set(), [node]
+    def descendants(self, nodes) -> set[fx.Node]:
+        seen, stack = set(), list(nodes)
         while stack:
             for u in self.users[stack.pop()]:
                 if u not in seen:
                     seen.add(u)
                     stack.append(u)
         return seen
+
+
+def _meet(ipdom: dict, depth: dict, a: fx.Node, b: fx.Node) -> fx.Node:
+    """The nearest common ancestor of ``a`` and ``b`` in the post-dominator tree."""
+    while a is not b:
+        if depth[a] < depth[b]:
+            a, b = b, a
+        a = ipdom[a]
+    return a

@@ -17,9 +17,9 @@ from torch import fx
 
 from ..api import op_call
 from ..reference import GDROptions
-from .dataflow import Dataflow
+from .dataflow import Dataflow, written
 from .prove import Binding, NotProven, prove
-from .regions import Region, find_anchors, grow, mutates_outside, output_candidates
+from .regions import BOUNDARIES, Anchor, Region, find_anchors, grow, mutates_outside, output_candidates
 from .report import GraphReport, RegionReport
 
 log = logging.getLogger(__name__)
@@ -53,30 +53,43 @@ def fuse_gdn_regions(gm: fx.GraphModule, report: GraphReport) -> None:
     start = time.perf_counter()
     deadline = start + PASS_BUDGET_SECONDS
     report.front_door_calls = count_qla_calls(gm.graph)
-    tried: set[fx.Node] = set()
-    while True:
-        flow = Dataflow(gm.graph)
-        anchors = [a for a in find_anchors(flow) if a not in tried]
-        if not anchors:
-            break
-        tried.add(anchors[0])
-        result = _fuse_one(gm, flow, anchors[0], deadline)
+    tried_anchors: set[fx.Node] = set()
+    tried_regions: set[tuple] = set()
+    flow = Dataflow(gm.graph)
+    pending = find_anchors(flow)
+    while pending:
+        anchor = pending.pop(0)
+        tried_anchors.add(anchor.node)
+        result = _fuse_one(gm, flow, anchor, deadline, tried_regions)
+        if result is None:  # its regions were all tried from an earlier anchor
+            continue
         log.info("qla_compile: region at %s: %s (%s)", result.anchor, result.status, result.reason)
         report.regions.append(result)
+        if result.status == "replaced":
+            flow = Dataflow(gm.graph)
+            pending = [a for a in find_anchors(flow) if a.node not in tried_anchors]
     gm.graph.lint()
     gm.recompile()
     report.nodes_after = len(gm.graph.nodes)
     report.pass_seconds = time.perf_counter() - start
 
 
-def _fuse_one(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, deadline: float) -> RegionReport:
-    result = RegionReport(anchor.name, "rejected", "", where=_where(anchor))
+def _fuse_one(gm: fx.GraphModule, flow: Dataflow, anchor: Anchor, deadline: float,
+              tried: set[tuple]) -> RegionReport | None:
+    """Try the candidate regions of ``anchor`` not in ``tried`` (which gets them), most fused first."""
+    result = RegionReport(anchor.node.name, "rejected", "", where=_where(anchor.node))
     candidates = output_candidates(flow, anchor)
     if not candidates:
         result.reason = "its flow does not end in one 4-D output (and optionally a final state)"
         return result
-    for outputs, split_heads_outside in itertools.product(candidates, (False, True)):
-        region = grow(flow, anchor, outputs, split_heads_outside)
+    new = False
+    for outputs, boundary in itertools.product(candidates, BOUNDARIES):
+        region = grow(flow, anchor.node, outputs, boundary)
+        key = (tuple(region.outputs), tuple(region.inputs))
+        if key in tried:
+            continue
+        tried.add(key)
+        new = True
         result.nodes = len(region.nodes)
         writer = mutates_outside(region)
         if writer is not None:
@@ -97,7 +110,7 @@ def _fuse_one(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, deadline: flo
             continue
         result.status, result.reason = "replaced", _describe(region, binding)
         return result
-    return result
+    return result if new else None
 
 
 def _replace(gm: fx.GraphModule, flow: Dataflow, region: Region, b: Binding) -> str:
@@ -115,7 +128,8 @@ def _replace(gm: fx.GraphModule, flow: Dataflow, region: Region, b: Binding) -> 
     with graph.inserting_before(position):
         fused = graph.call_function(fused_gdn, args, kwargs)
         fused.meta.update({k: v for k, v in position.meta.items() if k in ("stack_trace", "nn_module_stack")})
-        for i, old in enumerate(region.outputs):
+        for i, out in enumerate(region.outputs):
+            old = written(out)  # a buffer filled in place: its reads after the region are outside it
             new = graph.call_function(operator.getitem, (fused, i))
             new.meta.update(old.meta)
             old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in owned)
