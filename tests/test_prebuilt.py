@@ -139,3 +139,15 @@ def test_check_lists_missing_and_stale_variants(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path / "cache2"))
     assert prebuild.main(["--check"]) == 1
     assert "kernels.tar.xz is not the archive its manifest lists" in capsys.readouterr().out
+
+
+def test_the_backward_s_kernels_as_called_are_shipped():
+    """Variant keys hash the params as passed: the forward+backward's ``scan`` and ``chunk_grads`` calls spell out
+    ``reverse`` and ``pdl`` as their listed variants do (on the H200 they compiled while they left them out)."""
+    pytest.importorskip("tilelang")
+    from qla_compile.kernels import _prebuilt, chunk_grads, context_parallel
+
+    shipped = {v["key"] for v in _prebuilt.manifest()["variants"]}
+    assert context_parallel.scan.key(dk=128, dv=128, has_h0=False, reverse=False) in shipped
+    assert chunk_grads.chunk_grads.key(dk=128, dv=128, dtype="bfloat16", pdl=True) in shipped
+    assert context_parallel.scan.key(dk=128, dv=128, has_h0=False) not in shipped  # why the calls spell them out

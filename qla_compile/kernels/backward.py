@@ -213,7 +213,7 @@ def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scal
     db = torch.empty(h_v, n_tok, **f32)
     reverse_recurrence.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
         q3, k3, do3, tt, gb, h, cu, offsets, order, dh0_rows, dht, float(scale), dh, dvp, dh0, sd, ready)
-    chunk_grads.chunk_grads(dk=dk, dv=dv, dtype=dtype)(
+    chunk_grads.chunk_grads(dk=dk, dv=dv, dtype=dtype, pdl=True)(
         q3, k3, v3, do3, tt, gb, h, dh, dvp, sd, ready, (h_v // h_qk) * (dv // block_dv), seqs[0], seqs[1],
         grads_order, float(scale), acc, dq, dkh, dvo, dg, db)
     return dq, dkh, dvo, dg, db, dh0

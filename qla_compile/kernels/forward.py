@@ -340,7 +340,7 @@ def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
         q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, skip, e, m)
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else e[:1]
-    context_parallel.scan(dk=dk, dv=dv, has_h0=has_h0)(e, m, skip, pieces.seq_pieces, h0, h0p)
+    context_parallel.scan(dk=dk, dv=dv, has_h0=has_h0, reverse=False)(e, m, skip, pieces.seq_pieces, h0, h0p)
     return h0p, bv, skip, m, cache
 
 
