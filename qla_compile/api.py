@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .reference import GDROptions, activate_gates, l2norm
+from .reference import GDROptions, activate_gates, l2norm_fp32
 from .validation import check_cu_seqlens_values, check_inputs
 
 _ACCEPTED_CHUNK_SIZES = (16, 32, 64)
@@ -81,7 +81,7 @@ def op_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: G
     math as the op's own, which serves eager calls)."""
     if lift:
         if opts.use_qk_l2norm_in_kernel:
-            q, k = (l2norm(x.float()).to(x.dtype) for x in (q, k))
+            q, k = l2norm_fp32(q), l2norm_fp32(k)
         g, beta = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         A_log = dt_bias = None

@@ -28,6 +28,7 @@ from .reference import (
     activate_gates,
     chunk_gdr_bwd_reference,
     chunk_gdr_fwd_reference,
+    l2norm_fp32,
 )
 
 log = logging.getLogger(__name__)
@@ -141,14 +142,13 @@ def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
     if impl != "hopper":
         run = _fla_backward if impl == "fla" else chunk_gdr_bwd_reference
         return run(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
-    kernels = _kernels()
     from .kernels.backward import chunk_gdr_bwd_hopper
 
     if aux is not None:
         h_v = v.shape[2]
         aux = (aux[0].view(-1, h_v, CHUNK, CHUNK), aux[1].view(-1, h_v, 2, CHUNK), aux[2])
 
-    qa, ka = (kernels._l2norm(q), kernels._l2norm(k)) if opts.use_qk_l2norm_in_kernel else (q, k)
+    qa, ka = (l2norm_fp32(q), l2norm_fp32(k)) if opts.use_qk_l2norm_in_kernel else (q, k)
     ga, ba = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
     dqa, dka, dv, dga, dba, dh0 = chunk_gdr_bwd_hopper(
         do.contiguous(), _state_to_kv(dht, opts), qa, ka, v, ga, ba, opts.scale,

@@ -46,6 +46,11 @@ def l2norm(x: Tensor) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
+def l2norm_fp32(x: Tensor) -> Tensor:
+    """:func:`l2norm` computed in fp32, in ``x``'s dtype: the q/k the Hopper kernels are fed."""
+    return l2norm(x.float()).to(x.dtype)
+
+
 def l2norm_bwd(x: Tensor, dy: Tensor) -> Tensor:
     rstd = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
     y = x * rstd

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..reference import l2norm_fp32
 from . import chunk_recurrence, context_parallel, kkt_inverse, seq_tables
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -71,11 +72,6 @@ def unsupported(q, k, v) -> str | None:
 def hopper_supported(q, k, v, *args, **kwargs) -> bool:
     """True when the SM90 kernels handle these q, k, v (:func:`unsupported` has no reason)."""
     return unsupported(q, k, v) is None
-
-
-def _l2norm(x):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
 
 def _tables(cu_seqlens, batch, seqlen, device):
@@ -380,7 +376,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     h_v, dv = v.shape[2], v.shape[3]
     dtype = _DTYPES[q.dtype]
     if use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm_fp32(q), l2norm_fp32(k)
     n_tok = B * T
     n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
     tt, gb, bad = _chunk_tables(n_tok, n_seq, h_v, q.device)
