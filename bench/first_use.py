@@ -47,8 +47,9 @@ class _Compiles(logging.Handler):
             self.seen.append(record.getMessage())
 
 
-def child(case):
-    """One measurement, in this fresh process: result lines on stdout as each step ends."""
+def child(case, profile=None):
+    """One measurement, in this fresh process: result lines on stdout as each step ends; with ``profile`` (a
+    path), a cProfile of the first call written there as text (the 40 costliest functions, cumulative)."""
     start = time.perf_counter()
     import torch
 
@@ -80,7 +81,17 @@ def child(case):
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    _emit(first_call_s=call(), compiles=len(compiles.seen))
+    if profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        first = prof.runcall(call)
+        with open(profile, "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
+    else:
+        first = call()
+    _emit(first_call_s=first, compiles=len(compiles.seen))
     _emit(second_call_s=call(), impl=sorted({impl for impl, _ in dispatch.choices()}), compiled=compiles.seen)
 
 
@@ -94,11 +105,13 @@ def _fresh_env(home, prebuilt):
     return env
 
 
-def measure(case, prebuilt, timeout):
+def measure(case, prebuilt, timeout, profile_dir=None):
     """One fresh child process: what it reported, with its wall time and whether it was stopped."""
+    binaries = "prebuilt" if prebuilt else "jit"
+    profile = ["--profile-to", os.path.join(profile_dir, f"{binaries}-{case}.txt")] if profile_dir else []
     with tempfile.TemporaryDirectory(prefix="qla-first-use-") as home:
         start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", case],
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", case] + profile,
                                 env=_fresh_env(home, prebuilt), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
         try:
@@ -108,7 +121,7 @@ def measure(case, prebuilt, timeout):
             os.killpg(proc.pid, signal.SIGKILL)  # with its compilers
             out, err = proc.communicate()
             stopped = True
-        run = dict(binaries="prebuilt" if prebuilt else "jit", case=case, wall_s=time.perf_counter() - start,
+        run = dict(binaries=binaries, case=case, wall_s=time.perf_counter() - start,
                    returncode=proc.returncode, timed_out=stopped, timeout_s=timeout)
     for line in out.splitlines():
         if line.startswith(TAG):
@@ -129,14 +142,18 @@ def main():
     ap.add_argument("--out", help="write the results here (JSON)")
     ap.add_argument("--cold-timeout", type=float, default=240, help="seconds a JIT-compiling process may take")
     ap.add_argument("--skip-cold", action="store_true", help="only the prebuilt kernels")
+    ap.add_argument("--profile", metavar="DIR", help="write a cProfile of each first call to DIR")
     ap.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
+    ap.add_argument("--profile-to", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child(args.child)
+        return child(args.child, args.profile_to)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     runs = []
     for prebuilt in (True,) if args.skip_cold else (True, False):
         for case in CASES:
-            runs.append(measure(case, prebuilt, 120 if prebuilt else args.cold_timeout))
+            runs.append(measure(case, prebuilt, 120 if prebuilt else args.cold_timeout, args.profile))
             r = runs[-1]
             print(f"{r['binaries']:8} {case:8} import qla_compile {_s(r, 'import_qla_compile_s')}, inputs "
                   f"{_s(r, 'inputs_s')}, first call {_s(r, 'first_call_s')} ({r.get('compiles', '?')} compiles), "
