@@ -6,8 +6,9 @@ registry), ``qla-compiled`` (``torch.compile(layer, backend=qla_compile.backend)
 so ``fla`` is FLA's own Triton path. Layers (hidden 2048, bf16, batch 1): ``fla-128x16`` and ``fla-128x32``
 (K = V = 128 with 16 qk-heads and 16 or 32 v-heads), ``fla-default`` (FLA's defaults: 6 heads, K 256, V 512) and
 ``hf-qwen3next`` (16 qk / 32 v heads x 128). Per row the median ms of the layer's forward (no grad) or forward +
-backward (of ``out.float().square().mean()``), the GDN op's own kernel time inside it from one profiled step, and
-the relative L2 of the output against the ``fla`` path.
+backward (of ``out.float().square().mean()``), from one profiled step the time of all its kernels and of the GDN
+op's own (its top kernels go to ``latest-layer-profiles.json`` and the log), and the relative L2 of the output
+against the ``fla`` path.
 
     python bench/bench_layer.py --out $OUT [--layers ...] [--lengths 8192,32768] [--ops fwd,fwd+bwd]
 """
@@ -81,7 +82,7 @@ def main():
     import qla_compile
 
     qla_compile.register_substitutions()
-    rows = []
+    rows, profiles = [], []
     for name in args.layers.split(","):
         layer = build(name)
         k, v = head_dims(layer)
@@ -99,26 +100,31 @@ def main():
                     ref = out if path == "fla" else ref
                     step()
                     ms = median_ms(step, args.reps, args.rounds)
-                    gdn_ms, _, _ = profile_step(step)
+                    gdn_ms, kernels_ms, top = profile_step(step)
                     rows.append(dict(layer=name, K=k, V=v, T=T, op=op, path=path, ms=round(ms, 3),
-                                     gdn_ms=round(gdn_ms, 3), out_vs_fla=float(f"{rel_l2(out, ref):.3e}")))
+                                     gdn_ms=round(gdn_ms, 3), kernels_ms=round(kernels_ms, 3),
+                                     out_vs_fla=float(f"{rel_l2(out, ref):.3e}")))
+                    profiles.append(dict(layer=name, T=T, op=op, path=path, top_kernels=top))
                     print(json.dumps(rows[-1]), flush=True)
+                    print("  top kernels (ms):", "; ".join(f"{n[:60]} {t}" for n, t in top[:8]), flush=True)
         del layer
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "latest-layer.json"), "w") as f:
         json.dump(rows, f, indent=1)
+    with open(os.path.join(args.out, "latest-layer-profiles.json"), "w") as f:
+        json.dump(profiles, f, indent=1)
     meta = versions()
     lines = [f"# Layer level, {meta['gpu']}, {datetime.date.today().isoformat()}", "",
              "Versions: " + ", ".join(f"{a} {b}" for a, b in meta.items()), "",
-             "| layer | K/V | T | op | path | ms | fla / path | GDN op ms | fla GDN / path GDN | out vs fla |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| layer | K/V | T | op | path | ms | fla / path | kernels ms | GDN op ms | fla GDN / path GDN | out vs fla |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {(r["layer"], r["T"], r["op"]): r for r in rows if r["path"] == "fla"}
     for r in rows:
         b = base[(r["layer"], r["T"], r["op"])]
         gdn = f"{b['gdn_ms'] / r['gdn_ms']:.2f}" if r["gdn_ms"] else "-"
         lines.append(f"| {r['layer']} | {r['K']}/{r['V']} | {r['T']} | {r['op']} | {r['path']} | {r['ms']} | "
-                     f"{b['ms'] / r['ms']:.2f} | {r['gdn_ms']} | {gdn} | {r['out_vs_fla']} |")
+                     f"{b['ms'] / r['ms']:.2f} | {r['kernels_ms']} | {r['gdn_ms']} | {gdn} | {r['out_vs_fla']} |")
     with open(os.path.join(args.out, f"{datetime.date.today().isoformat()}-layer.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

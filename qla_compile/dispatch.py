@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -43,6 +44,19 @@ def _kernels():
     except ImportError:
         return None
     return kernels
+
+
+@functools.cache
+def qk_l2norm():
+    """The fused Triton L2 norm of q/k for eager Hopper calls (``kernels.qk_l2norm``), or None where Triton does
+    not import (then the L2 norm runs as torch ops, logged once)."""
+    try:
+        from .kernels import qk_l2norm as module
+    except ImportError as exc:
+        log.warning("qla_compile: Triton does not import (%s); the q/k L2 norm of eager calls runs as torch ops, "
+                    "several passes slower", exc)
+        return None
+    return module
 
 
 @functools.cache
@@ -128,9 +142,12 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: G
         o, ht = run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
         return o, ht, *aux_like(q, k, v, cu_seqlens), q.new_empty(0, dtype=torch.float32)
     g, beta = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
+    l2norm = _fused_l2norm(opts)
+    if l2norm is not None:
+        q, k = l2norm.l2norm(q), l2norm.l2norm(k)
     o, ht, tt, gb, _, cp_cache = _kernels().chunk_gdr_fwd_hopper_aux(
-        q, k, v, g, beta, opts.scale, _state_to_kv(initial_state, opts), cu_seqlens, opts.use_qk_l2norm_in_kernel,
-        for_backward=for_backward,
+        q, k, v, g, beta, opts.scale, _state_to_kv(initial_state, opts), cu_seqlens,
+        opts.use_qk_l2norm_in_kernel and l2norm is None, for_backward=for_backward,
     )
     return o, (ht.mT.contiguous() if opts.state_v_first else ht), tt.view(-1), gb.view(-1), cp_cache
 
@@ -148,18 +165,37 @@ def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
         h_v = v.shape[2]
         aux = (aux[0].view(-1, h_v, CHUNK, CHUNK), aux[1].view(-1, h_v, 2, CHUNK), aux[2])
 
-    qa, ka = (l2norm_fp32(q), l2norm_fp32(k)) if opts.use_qk_l2norm_in_kernel else (q, k)
+    l2norm = _fused_l2norm(opts)
+    if l2norm is not None:
+        qa, ka = l2norm.l2norm(q), l2norm.l2norm(k)
+    else:
+        qa, ka = (l2norm_fp32(q), l2norm_fp32(k)) if opts.use_qk_l2norm_in_kernel else (q, k)
     ga, ba = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
     dqa, dka, dv, dga, dba, dh0 = chunk_gdr_bwd_hopper(
         do.contiguous(), _state_to_kv(dht, opts), qa, ka, v, ga, ba, opts.scale,
         _state_to_kv(initial_state, opts), cu_seqlens, aux=aux,
     )
+    if l2norm is not None:  # the L2 norm's backward here, the gates' in activation_bwd
+        dqa, dka = l2norm.l2norm_bwd(q, dqa), l2norm.l2norm_bwd(k, dka)
+        opts = dataclasses.replace(opts, use_qk_l2norm_in_kernel=False)
+    else:
+        dqa, dka = dqa.float(), dka.float()
     dq, dk, dg, dbeta, dA_log, ddt_bias = activation_bwd(
-        q, k, g, beta, A_log, dt_bias, opts, dqa.float(), dka.float(), dga.float(), dba.float()
+        q, k, g, beta, A_log, dt_bias, opts, dqa, dka, dga.float(), dba.float()
     )
     if dh0 is not None:
         dh0 = (dh0.mT if opts.state_v_first else dh0).contiguous().to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
+
+
+def _fused_l2norm(opts: GDROptions):
+    """:func:`qk_l2norm` where the call L2-normalises q/k; a call that wants it and cannot have it is counted."""
+    if not opts.use_qk_l2norm_in_kernel:
+        return None
+    module = qk_l2norm()
+    if module is None:
+        _choices["hopper", "the q/k L2 norm as torch ops (Triton does not import)"] += 1
+    return module
 
 
 def _fla_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions):
