@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..reference import L2NORM_EPS
 
-_ROWS = 16  # rows of D elements per program
+_ROWS = 32  # rows of D elements per program
 
 
 @triton.jit
