@@ -6,15 +6,15 @@
 - ``"reference"``: the chunked PyTorch implementation in ``qla_compile.reference`` (everything else).
 
 Each fallback says so once in the log, and :func:`choices` counts what ran and why (``qla_compile.explain``).
-FLA's layer options (gate-in-kernel, beta sigmoid, ``state_v_first``) are applied around the kernels
-with torch ops. Set ``QLA_FORCE_REFERENCE=1`` to run the reference everywhere (debugging).
+FLA's layer options (q/k L2 norm, gate-in-kernel, beta sigmoid, ``state_v_first``) are applied around the
+kernels: the activations by fused Triton passes (``kernels.input_activations``) in eager calls; traced calls have
+them as graph ops already (``api.op_call``). Set ``QLA_FORCE_REFERENCE=1`` to run the reference everywhere (debugging).
 Nothing here reads device data, so a dense call stays CUDA-graph capturable.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import functools
 import importlib.util
 import logging
@@ -47,14 +47,14 @@ def _kernels():
 
 
 @functools.cache
-def qk_l2norm():
-    """The fused Triton L2 norm of q/k for eager Hopper calls (``kernels.qk_l2norm``), or None where Triton does
-    not import (then the L2 norm runs as torch ops, logged once)."""
+def input_activations():
+    """The fused Triton input activations of eager Hopper calls (``kernels.input_activations``), or None where
+    Triton does not import (then they run as torch ops, logged once)."""
     try:
-        from .kernels import qk_l2norm as module
+        from .kernels import input_activations as module
     except ImportError as exc:
-        log.warning("qla_compile: Triton does not import (%s); the q/k L2 norm of eager calls runs as torch ops, "
-                    "several passes slower", exc)
+        log.warning("qla_compile: Triton does not import (%s); the q/k L2 norm, gate and beta activations of "
+                    "eager calls run as torch ops, several passes slower", exc)
         return None
     return module
 
@@ -141,13 +141,16 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: G
         run = _fla_forward if impl == "fla" else chunk_gdr_fwd_reference
         o, ht = run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
         return o, ht, *aux_like(q, k, v, cu_seqlens), q.new_empty(0, dtype=torch.float32)
-    g, beta = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
-    l2norm = _fused_l2norm(opts)
-    if l2norm is not None:
-        q, k = l2norm.l2norm(q), l2norm.l2norm(k)
+    acts = _activations()
+    if acts is None:
+        g, beta = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
+    else:
+        g, beta = acts.gates(g, beta, A_log, dt_bias, opts)
+        if opts.use_qk_l2norm_in_kernel:
+            q, k = acts.l2norm(q), acts.l2norm(k)
     o, ht, tt, gb, _, cp_cache = _kernels().chunk_gdr_fwd_hopper_aux(
         q, k, v, g, beta, opts.scale, _state_to_kv(initial_state, opts), cu_seqlens,
-        opts.use_qk_l2norm_in_kernel and l2norm is None, for_backward=for_backward,
+        opts.use_qk_l2norm_in_kernel and acts is None, for_backward=for_backward,
     )
     return o, (ht.mT.contiguous() if opts.state_v_first else ht), tt.view(-1), gb.view(-1), cp_cache
 
@@ -165,36 +168,34 @@ def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
         h_v = v.shape[2]
         aux = (aux[0].view(-1, h_v, CHUNK, CHUNK), aux[1].view(-1, h_v, 2, CHUNK), aux[2])
 
-    l2norm = _fused_l2norm(opts)
-    if l2norm is not None:
-        qa, ka = l2norm.l2norm(q), l2norm.l2norm(k)
+    acts, l2 = _activations(), opts.use_qk_l2norm_in_kernel
+    if acts is None:
+        qa, ka = (l2norm_fp32(q), l2norm_fp32(k)) if l2 else (q, k)
+        ga, ba = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
     else:
-        qa, ka = (l2norm_fp32(q), l2norm_fp32(k)) if opts.use_qk_l2norm_in_kernel else (q, k)
-    ga, ba = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
+        qa, ka = (acts.l2norm(q), acts.l2norm(k)) if l2 else (q, k)
+        ga, ba = acts.gates(g, beta, A_log, dt_bias, opts)
     dqa, dka, dv, dga, dba, dh0 = chunk_gdr_bwd_hopper(
         do.contiguous(), _state_to_kv(dht, opts), qa, ka, v, ga, ba, opts.scale,
         _state_to_kv(initial_state, opts), cu_seqlens, aux=aux,
     )
-    if l2norm is not None:  # the L2 norm's backward here, the gates' in activation_bwd
-        dqa, dka = l2norm.l2norm_bwd(q, dqa), l2norm.l2norm_bwd(k, dka)
-        opts = dataclasses.replace(opts, use_qk_l2norm_in_kernel=False)
+    if acts is None:
+        dq, dk, dg, dbeta, dA_log, ddt_bias = activation_bwd(
+            q, k, g, beta, A_log, dt_bias, opts, dqa.float(), dka.float(), dga.float(), dba.float()
+        )
     else:
-        dqa, dka = dqa.float(), dka.float()
-    dq, dk, dg, dbeta, dA_log, ddt_bias = activation_bwd(
-        q, k, g, beta, A_log, dt_bias, opts, dqa, dka, dga.float(), dba.float()
-    )
+        dq, dk = (acts.l2norm_bwd(q, dqa), acts.l2norm_bwd(k, dka)) if l2 else (dqa, dka)
+        dg, dbeta, dA_log, ddt_bias = acts.gates_bwd(g, beta, A_log, dt_bias, opts, dga, dba)
     if dh0 is not None:
         dh0 = (dh0.mT if opts.state_v_first else dh0).contiguous().to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
 
 
-def _fused_l2norm(opts: GDROptions):
-    """:func:`qk_l2norm` where the call L2-normalises q/k; a call that wants it and cannot have it is counted."""
-    if not opts.use_qk_l2norm_in_kernel:
-        return None
-    module = qk_l2norm()
+def _activations():
+    """:func:`input_activations` for a Hopper call; one that has to do without is counted."""
+    module = input_activations()
     if module is None:
-        _choices["hopper", "the q/k L2 norm as torch ops (Triton does not import)"] += 1
+        _choices["hopper", "the input activations as torch ops (Triton does not import)"] += 1
     return module
 
 

@@ -1,0 +1,176 @@
+"""The input activations of eager Hopper calls as fused Triton passes in fp32, forward and backward: the L2 norm
+of q and k, FLA's gate activation and beta's sigmoid (the math of ``reference.activate`` / ``activation_bwd``).
+
+* :func:`l2norm`: ``x * rsqrt(sum(x^2) + 1e-6)`` over the last dim, read from a strided ``[B, T, H, D]`` view
+  (the split of a fused qkv projection) and written contiguous in ``x``'s dtype, as the TileLang kernels take
+  it; :func:`l2norm_bwd` reads ``x`` and the gradient of the normalised rows and recomputes the norm instead of
+  keeping it. In torch ops each is five to eight passes over fp32 copies.
+* :func:`gates` / :func:`gates_bwd`: ``g <- -exp(A_log) * softplus(g + dt_bias)`` and ``beta <- sigmoid(beta)``
+  (doubled with ``allow_neg_eigval``) in one launch each way instead of a dozen small ops.
+
+Traced calls do not come here: there these are graph ops that Inductor fuses (``api.op_call(lift=True)``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference import L2NORM_EPS, GDROptions
+
+_ROWS = 32  # rows of D elements per program
+_BLOCK = 1024  # gate elements per program
+
+
+@triton.jit
+def _rows(n_rows, heads, stride_t, stride_h, ROWS: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    return rows, rows < n_rows, (rows // heads) * stride_t + (rows % heads) * stride_h
+
+
+@triton.jit
+def _l2norm_fwd(x_ptr, y_ptr, n_rows, heads, stride_t, stride_h, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                ROWS: tl.constexpr):
+    rows, live, src = _rows(n_rows, heads, stride_t, stride_h, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = live[:, None] & (cols[None, :] < D)
+    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) + eps)
+    y = x * rstd[:, None]
+    tl.store(y_ptr + rows[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _l2norm_bwd(x_ptr, dy_ptr, dx_ptr, n_rows, heads, stride_t, stride_h, eps, D: tl.constexpr,
+                BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    rows, live, src = _rows(n_rows, heads, stride_t, stride_h, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = live[:, None] & (cols[None, :] < D)
+    dense = rows[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + dense, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) + eps)
+    y = x * rstd[:, None]
+    dx = rstd[:, None] * (dy - y * tl.sum(dy * y, axis=1)[:, None])
+    tl.store(dx_ptr + dense, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _strided_rows(x):
+    """``(x, stride of a token, stride of a head)`` with x addressable as rows ``(token, head)`` of unit-stride
+    elements (copied contiguous only where it is not)."""
+    B, T, H, D = x.shape
+    if x.stride(3) != 1 or (B > 1 and x.stride(0) != T * x.stride(1)):
+        x = x.contiguous()
+    return x, x.stride(1), x.stride(2)
+
+
+def _launch(kernel, x, *tensors):
+    x, stride_t, stride_h = _strided_rows(x)
+    B, T, H, D = x.shape
+    n_rows = B * T * H
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    if n_rows:
+        kernel[(triton.cdiv(n_rows, _ROWS),)](x, *tensors, out, n_rows, H, stride_t, stride_h, L2NORM_EPS, D=D,
+                                               BLOCK_D=triton.next_power_of_2(D), ROWS=_ROWS, num_warps=4)
+    return out
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """The L2-normalised rows of ``x`` ``[B, T, H, D]`` (computed in fp32), contiguous, in ``x``'s dtype."""
+    return _launch(_l2norm_fwd, x)
+
+
+def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`l2norm` at ``x`` given ``dy`` (its output's gradient), contiguous, in ``x``'s
+    dtype."""
+    return _launch(_l2norm_bwd, x, dy.contiguous())
+
+
+@triton.jit
+def _softplus(x):
+    """``log(1 + e^x)`` as ``max(x, 0) + log1p(e^-|x|)``, log1p by Kahan's ``log(w) * u / (w - 1)``."""
+    u = tl.exp(-tl.abs(x))
+    w = 1.0 + u
+    return tl.maximum(x, 0.0) + tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
+
+
+@triton.jit
+def _gates_fwd(g_ptr, b_ptr, a_log_ptr, dt_ptr, go_ptr, bo_ptr, n, heads, beta_scale, GATE: tl.constexpr,
+               HAS_DT: tl.constexpr, SIGMOID: tl.constexpr, BLOCK: tl.constexpr):
+    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    live = offs < n
+    g = tl.load(g_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    if GATE:
+        h = offs % heads
+        if HAS_DT:
+            g += tl.load(dt_ptr + h, mask=live, other=0.0).to(tl.float32)
+        g = -tl.exp(tl.load(a_log_ptr + h, mask=live, other=0.0).to(tl.float32)) * _softplus(g)
+    tl.store(go_ptr + offs, g, mask=live)
+    b = tl.load(b_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    if SIGMOID:
+        b = beta_scale * tl.sigmoid(b)
+    tl.store(bo_ptr + offs, b, mask=live)
+
+
+@triton.jit
+def _gates_bwd(g_ptr, b_ptr, a_log_ptr, dt_ptr, dga_ptr, dba_ptr, dg_ptr, db_ptr, da_ptr, n, heads, beta_scale,
+               GATE: tl.constexpr, HAS_DT: tl.constexpr, SIGMOID: tl.constexpr, BLOCK: tl.constexpr):
+    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    live = offs < n
+    dg = tl.load(dga_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    if GATE:
+        h = offs % heads
+        x = tl.load(g_ptr + offs, mask=live, other=0.0).to(tl.float32)
+        if HAS_DT:
+            x += tl.load(dt_ptr + h, mask=live, other=0.0).to(tl.float32)
+        neg_a = -tl.exp(tl.load(a_log_ptr + h, mask=live, other=0.0).to(tl.float32))
+        tl.store(da_ptr + offs, dg * neg_a * _softplus(x), mask=live)  # d/dA_log of neg_a * softplus(x)
+        dg = dg * neg_a * tl.sigmoid(x)
+    tl.store(dg_ptr + offs, dg, mask=live)
+    db = tl.load(dba_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    if SIGMOID:
+        s = tl.sigmoid(tl.load(b_ptr + offs, mask=live, other=0.0).to(tl.float32))
+        db = db * s * (1.0 - s) * beta_scale
+    tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=live)
+
+
+def _params(A_log, dt_bias, spare):
+    """``A_log, dt_bias`` as kernel arguments, ``spare`` standing in for an absent one (never read)."""
+    return (spare if A_log is None else A_log), (spare if dt_bias is None else dt_bias)
+
+
+def _gate_args(g, dt_bias, opts: GDROptions):
+    gate = opts.use_gate_in_kernel
+    return dict(n=g.numel(), heads=g.shape[-1], beta_scale=2.0 if opts.allow_neg_eigval else 1.0, GATE=gate,
+                HAS_DT=gate and dt_bias is not None, SIGMOID=opts.use_beta_sigmoid_in_kernel, BLOCK=_BLOCK,
+                num_warps=4)
+
+
+def gates(g, beta, A_log, dt_bias, opts: GDROptions):
+    """The log gate and beta the recurrence uses, fp32 ``[B, T, H_v]`` contiguous (``reference.activate_gates``
+    with ``dtype=float32``)."""
+    g, beta = g.contiguous(), beta.contiguous()
+    go = torch.empty(g.shape, device=g.device, dtype=torch.float32)
+    bo = torch.empty(beta.shape, device=beta.device, dtype=torch.float32)
+    if g.numel():
+        _gates_fwd[(triton.cdiv(g.numel(), _BLOCK),)](g, beta, *_params(A_log, dt_bias, go), go, bo,
+                                                      **_gate_args(g, dt_bias, opts))
+    return go, bo
+
+
+def gates_bwd(g, beta, A_log, dt_bias, opts: GDROptions, dga, dba):
+    """``(dg, dbeta, dA_log, ddt_bias)`` from the gradients ``dga, dba`` of :func:`gates`' outputs, in the
+    inputs' dtypes (the parameters' sums over tokens in float64; None where a parameter is not used)."""
+    g, beta, dga, dba = g.contiguous(), beta.contiguous(), dga.contiguous(), dba.contiguous()
+    dg = torch.empty(g.shape, device=g.device, dtype=torch.float32)
+    db = torch.empty(beta.shape, device=beta.device, dtype=beta.dtype)
+    da = torch.empty(g.shape if opts.use_gate_in_kernel else (0,), device=g.device, dtype=torch.float32)
+    if g.numel():
+        _gates_bwd[(triton.cdiv(g.numel(), _BLOCK),)](g, beta, *_params(A_log, dt_bias, dg), dga, dba, dg, db, da,
+                                                      **_gate_args(g, dt_bias, opts))
+    dA_log = ddt_bias = None
+    if opts.use_gate_in_kernel:
+        dA_log = da.view(-1, g.shape[-1]).double().sum(0).to(A_log.dtype)
+        if dt_bias is not None:
+            ddt_bias = dg.view(-1, g.shape[-1]).double().sum(0).to(dt_bias.dtype)
+    return dg.to(g.dtype), db, dA_log, ddt_bias
