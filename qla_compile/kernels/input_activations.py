@@ -149,6 +149,8 @@ def _gate_args(g, dt_bias, opts: GDROptions):
 def gates(g, beta, A_log, dt_bias, opts: GDROptions):
     """The log gate and beta the recurrence uses, fp32 ``[B, T, H_v]`` contiguous (``reference.activate_gates``
     with ``dtype=float32``)."""
+    if not (opts.use_gate_in_kernel or opts.use_beta_sigmoid_in_kernel):  # no-ops where they are already
+        return g.float().contiguous(), beta.float().contiguous()
     g, beta = g.contiguous(), beta.contiguous()
     go = torch.empty(g.shape, device=g.device, dtype=torch.float32)
     bo = torch.empty(beta.shape, device=beta.device, dtype=torch.float32)
@@ -161,6 +163,8 @@ def gates(g, beta, A_log, dt_bias, opts: GDROptions):
 def gates_bwd(g, beta, A_log, dt_bias, opts: GDROptions, dga, dba):
     """``(dg, dbeta, dA_log, ddt_bias)`` from the gradients ``dga, dba`` of :func:`gates`' outputs, in the
     inputs' dtypes (the parameters' sums over tokens in float64; None where a parameter is not used)."""
+    if not (opts.use_gate_in_kernel or opts.use_beta_sigmoid_in_kernel):
+        return dga.to(g.dtype), dba.to(beta.dtype), None, None
     g, beta, dga, dba = g.contiguous(), beta.contiguous(), dga.contiguous(), dba.contiguous()
     dg = torch.empty(g.shape, device=g.device, dtype=torch.float32)
     db = torch.empty(beta.shape, device=beta.device, dtype=beta.dtype)
