@@ -38,11 +38,11 @@ _choices: collections.Counter = collections.Counter()  # (implementation, reason
 
 @functools.cache
 def _kernels():
-    """The Hopper kernel package, or None where it cannot load (no tilelang, unsupported platform)."""
-    try:
-        from .kernels import forward as kernels
-    except ImportError:
+    """The Hopper kernels' host code, or None where TileLang is not installed (found without importing it)."""
+    if importlib.util.find_spec("tilelang") is None:
         return None
+    from .kernels import forward as kernels
+
     return kernels
 
 
@@ -77,7 +77,7 @@ def choose(q, k, v) -> tuple[str, str]:
     if os.environ.get("QLA_FORCE_REFERENCE") == "1":
         return "reference", "QLA_FORCE_REFERENCE=1"
     kernels = _kernels()
-    why = "TileLang is not importable" if kernels is None else kernels.unsupported(q, k, v)
+    why = "TileLang is not installed" if kernels is None else kernels.unsupported(q, k, v)
     if why is None:
         return "hopper", "our Hopper kernels (SM90, bf16/fp16, K = V = 128)"
     if q.device.type == "cuda" and fla_op() is not None:

@@ -5,35 +5,32 @@
     python -m qla_compile.prebuild --check                      # no compile: what the installed binaries lack
 
 Compiling works on a CPU-only machine with nvcc (the target is the explicit ``sm_90a``); the kernel cache is
-``$QLA_CACHE_DIR`` (default ``~/.cache/qla_compile``). ``--build-artifact`` builds from the kernel sources, not
-from the installed prebuilt binaries: a variant already in the kernel cache under its key (a hash of its TIR,
-TileLang version and target) is taken from there, so ``QLA_CACHE_DIR=$(mktemp -d)`` compiles every one afresh.
+``$QLA_CACHE_DIR`` (default ``~/.cache/qla_compile``). ``--build-artifact`` builds from the kernel sources: a
+variant whose key (a hash of its TIR, TileLang version and target) the installed prebuilt binaries hold is that
+same binary and is taken from them, one the kernel cache holds from there, and only the rest are compiled; so a
+refresh after an edit that leaves the TIR alone (a comment, host code) compiles nothing. It also writes the kernel
+sources' hash into the manifest, which lets a first call load the binaries without TileLang (``_build.kernel``).
 ``--check`` loads every variant from the installed prebuilt binaries (unpacked into the kernel cache) and exits 1
-listing each one a first call would compile instead: not among them, built from other kernel sources or for
-another TileLang, or not loadable.
+listing each one a first call would compile instead (not among them, built from other kernel sources or for
+another TileLang, or not loadable), or when the manifest's sources hash is not the installed sources' (the fast
+path is off).
 """
 
 import argparse
 import concurrent.futures
+import functools
 import importlib
 import os
 import sys
 import time
 
-_MODULES = (
-    "qla_compile.kernels.kkt_inverse",
-    "qla_compile.kernels.seq_tables",
-    "qla_compile.kernels.chunk_recurrence",
-    "qla_compile.kernels.context_parallel",
-    "qla_compile.kernels.reverse_recurrence",
-    "qla_compile.kernels.chunk_grads",
-)
-
 
 def all_variants():
     """``(module, kernel name, params)`` for every kernel module that declares ``variants()``."""
+    from qla_compile.kernels import _prebuilt
+
     out = []
-    for name in _MODULES:
+    for name in _prebuilt.KERNEL_MODULES:
         module = importlib.import_module(name)
         out += [(name, kernel, params) for kernel, params in getattr(module, "variants", list)()]
     return out
@@ -49,45 +46,57 @@ def _label(module, kernel, params):
     return f"{module.rsplit('.', 1)[1]}.{describe(kernel, params)}"
 
 
-def _build(job):
+def _build(job, reuse=False):
+    """``(job, key, entry, reused, seconds)``: the variant ``job`` built into the kernel cache (``entry`` its
+    directory there), or with ``reuse`` taken from the installed prebuilt binaries when they hold its key."""
+    from qla_compile.kernels import _prebuilt, cache_dir
+
     module, kernel, params = job
     start = time.time()
     fn = _kernel(module, kernel)
-    fn(**params)
-    return job, fn.key(**params), time.time() - start
+    key = fn.key(**params)
+    entry = _prebuilt.reusable(key, cache_dir()) if reuse else None
+    reused = entry is not None
+    if not reused:
+        fn(**params)
+        entry = os.path.join(cache_dir(), "kernels", key)
+    return job, key, entry, reused, time.time() - start
 
 
 def build(jobs: int, artifact: bool):
     """Every variant into the kernel cache with ``jobs`` parallel compiles; with ``artifact`` then packed into the
-    prebuilt binaries."""
+    prebuilt binaries, reusing the installed ones whose keys match."""
     import tilelang
 
     from qla_compile.kernels import TARGET, _prebuilt, cache_dir
 
     if artifact:
-        os.environ["QLA_PREBUILT"] = "0"  # the workers inherit it: from the sources, not the installed binaries
+        os.environ["QLA_PREBUILT"] = "0"  # the workers inherit it: a key not reused comes from the cache or nvcc
     variants = all_variants()
     print(f"building {len(variants)} kernel variants for sm_90a into {cache_dir()}")
     start = time.time()
     built = []
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for (module, kernel, params), key, seconds in pool.map(_build, variants):
-            print(f"  {_label(module, kernel, params)}: {seconds:.1f} s")
-            built.append(dict(module=module, kernel=kernel, params=params, key=key,
-                              entry=os.path.join(cache_dir(), "kernels", key)))
-    print(f"done in {time.time() - start:.1f} s")
+        for (module, kernel, params), key, entry, reused, seconds in pool.map(
+                functools.partial(_build, reuse=artifact), variants):
+            how = "the installed prebuilt binary" if reused else f"{seconds:.1f} s"
+            print(f"  {_label(module, kernel, params)}: {how}")
+            built.append(dict(module=module, kernel=kernel, params=params, key=key, entry=entry, reused=reused))
+    print(f"done in {time.time() - start:.1f} s ({sum(b['reused'] for b in built)} reused)")
     if artifact:
-        _prebuilt.write(built, tilelang.__version__, TARGET)
+        _prebuilt.write(built, tilelang.__version__, TARGET, _prebuilt.sources_sha256())
         size = os.path.getsize(os.path.join(_prebuilt.DIR, "kernels.tar.xz"))
         print(f"wrote {_prebuilt.DIR}: {len(built)} variants, {size / 1e6:.2f} MB")
 
 
 def check() -> int:
-    """0 when every variant loads from the installed prebuilt binaries, else 1 after listing those a first call
-    would compile, and why."""
+    """0 when every variant loads from the installed prebuilt binaries, also without TileLang, else 1 after listing
+    those a first call would compile, and why, or saying why the fast path (``_build.kernel``) is off."""
     from qla_compile.kernels import _build, _prebuilt
 
     variants = all_variants()
+    m = _prebuilt.manifest()
+    off = None if m is None else _prebuilt.sources_mismatch(m)
     lacking = []
     for module, kernel, params in variants:
         prim = _kernel(module, kernel).factory(**params)
@@ -98,15 +107,23 @@ def check() -> int:
                 _build.load(_prebuilt.entry(key, _build.cache_dir()), prim)
             except Exception as exc:  # noqa: BLE001  (whatever keeps it from loading, a first call compiles it)
                 why = f"its prebuilt binary does not load: {exc}"
+        if why is None and off is None:
+            fast, why = _build.load_direct(module.rsplit(".", 1)[1], kernel, params)
+            why = None if fast is not None else f"it loads, but not without TileLang: {why}"
         if why is not None:
             lacking.append(f"  {_label(module, kernel, params)}: {why}")
-    if not lacking:
-        print(f"all {len(variants)} kernel variants load from the prebuilt binaries ({_prebuilt.DIR})")
+    if lacking:
+        print(f"{len(lacking)} of {len(variants)} kernel variants do not load from the prebuilt binaries "
+              f"({_prebuilt.DIR}) as a first call would:")
+        print("\n".join(lacking))
+    if off is not None:
+        print(f"the fast path is off: {off}")
+    elif lacking:
+        print(f"refresh them: {_prebuilt.REFRESH}")
+    else:
+        print(f"all {len(variants)} kernel variants load from the prebuilt binaries ({_prebuilt.DIR}), "
+              f"without TileLang's import too")
         return 0
-    print(f"{len(lacking)} of {len(variants)} kernel variants do not load from the prebuilt binaries "
-          f"({_prebuilt.DIR}); a first call compiles them:")
-    print("\n".join(lacking))
-    print(f"refresh them: {_prebuilt.REFRESH}")
     return 1
 
 

@@ -1,19 +1,27 @@
 """The prebuilt kernels on the CPU: variant keys follow the kernel sources and TileLang, the loader takes the
-prebuilt binary, then the kernel cache, and compiles (logged, with why) only what neither holds, and
-``prebuild --check`` reports what the installed binaries lack.
+prebuilt binary, then the kernel cache, and compiles (logged, with why) only what neither holds; the launcher
+(``_build.kernel``) loads a shipped binary without TileLang while the sources hash matches and falls back (logged)
+when not; ``prebuild --check`` reports what the installed binaries lack, and ``--build-artifact`` reuses them.
 
 The loader test compiles the small varlen table kernel twice (a few seconds each; needs nvcc); the rest compile
 nothing.
 """
+import importlib.metadata
 import importlib.util
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
+import tarfile
 
 import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="needs tilelang")
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODULE = "qla_compile.kernels.seq_tables"
 PARAMS = dict(cu_dtype="int32")
 
 
@@ -27,10 +35,21 @@ def tables():
     seq_tables.seq_tables.cache_clear()
 
 
-def _write_manifest(directory, tilelang_version, variants):
+@pytest.fixture
+def launcher():
+    """``_build.kernel`` with its memo cleared before and after."""
+    from qla_compile.kernels import _build
+
+    _build.kernel.cache_clear()
+    yield _build.kernel
+    _build.kernel.cache_clear()
+
+
+def _write_manifest(directory, tilelang_version, variants, sources=""):
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "manifest.json").write_text(json.dumps(
-        {"tilelang": tilelang_version, "target": {}, "archive_sha256": "", "variants": variants}))
+    (directory / "manifest.json").write_text(json.dumps({"tilelang": tilelang_version, "target": {},
+                                                         "archive_sha256": "", "sources_sha256": sources,
+                                                         "variants": variants}))
 
 
 def test_key_follows_kernel_source_params_and_tilelang(tables, monkeypatch):
@@ -58,7 +77,7 @@ def test_why_not_names_the_reason(tables, tmp_path, monkeypatch):
     assert "no prebuilt binaries are installed" in _prebuilt.why_not(key, "seq_tables", PARAMS)
     monkeypatch.setattr(_prebuilt, "DIR", str(tmp_path / "prebuilt"))
     _write_manifest(tmp_path / "prebuilt", tilelang.__version__,
-                    [dict(module="qla_compile.kernels.seq_tables", kernel="seq_tables", params=PARAMS, key=key)])
+                    [dict(module=MODULE, kernel="seq_tables", params=PARAMS, key=key)])
     assert _prebuilt.why_not(key, "seq_tables", PARAMS) is None
     assert "other kernel sources" in _prebuilt.why_not("0" * 64, "seq_tables", PARAMS)
     assert "not among the prebuilt variants" in _prebuilt.why_not("0" * 64, "seq_tables", dict(cu_dtype="int64"))
@@ -88,8 +107,8 @@ def test_loader_prebuilt_then_cache_then_compile(tables, tmp_path, monkeypatch, 
     _, logs = call("build")
     assert len(logs) == 1 and "compiling the kernel seq_tables" in logs[0] and "no prebuilt binaries" in logs[0]
     key = tables.seq_tables.key(**PARAMS)
-    _prebuilt.write([dict(module="qla_compile.kernels.seq_tables", kernel="seq_tables", params=PARAMS, key=key,
-                          entry=str(tmp_path / "build" / "kernels" / key))], tilelang.__version__, TARGET)
+    _prebuilt.write([dict(module=MODULE, kernel="seq_tables", params=PARAMS, key=key,
+                          entry=str(tmp_path / "build" / "kernels" / key))], tilelang.__version__, TARGET, "")
 
     kernel, logs = call("fresh")
     assert logs == [] and kernel.adapter.libpath.startswith(str(tmp_path / "fresh" / "prebuilt"))
@@ -127,6 +146,7 @@ def test_check_lists_missing_and_stale_variants(tmp_path, monkeypatch, capsys):
     dropped, stale = manifest["variants"][0], manifest["variants"][1]
     manifest["variants"] = manifest["variants"][1:]
     stale["key"] = "0" * 64
+    manifest["sources_sha256"] = "0" * 64
     (tmp_path / "prebuilt" / "manifest.json").write_text(json.dumps(manifest))
     assert prebuild.main(["--check"]) == 1
     out = capsys.readouterr().out
@@ -134,6 +154,8 @@ def test_check_lists_missing_and_stale_variants(tmp_path, monkeypatch, capsys):
     assert f"2 of {n} kernel variants do not load from the prebuilt binaries" in out, out
     assert f"{dropped['kernel']}(" in out and "not among the prebuilt variants" in out
     assert "built from other kernel sources" in out
+    assert f"the fast path is off: the kernel sources are not those the prebuilt binaries were built from; " \
+           f"refresh them: {_prebuilt.REFRESH}" in out
 
     (tmp_path / "prebuilt" / "kernels.tar.xz").write_bytes(b"not an archive")
     monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path / "cache2"))
@@ -151,3 +173,107 @@ def test_the_backward_s_kernels_as_called_are_shipped():
     assert context_parallel.scan.key(dk=128, dv=128, has_h0=False, reverse=False) in shipped
     assert chunk_grads.chunk_grads.key(dk=128, dv=128, dtype="bfloat16", pdl=True) in shipped
     assert context_parallel.scan.key(dk=128, dv=128, has_h0=False) not in shipped  # why the calls spell them out
+
+
+def test_listed_key_names_the_reason(tmp_path, monkeypatch):
+    """The fast path's lookup: by kernel and params, only for the manifest's kernel sources and TileLang."""
+    from qla_compile.kernels import _prebuilt
+
+    version = importlib.metadata.version("tilelang")
+    monkeypatch.setattr(_prebuilt, "DIR", str(tmp_path / "none"))
+    assert "no prebuilt binaries are installed" in _prebuilt.listed_key(MODULE, "seq_tables", PARAMS)[1]
+    monkeypatch.setattr(_prebuilt, "DIR", str(tmp_path / "prebuilt"))
+    listed = [dict(module=MODULE, kernel="seq_tables", params=PARAMS, key="1" * 64)]
+    _write_manifest(tmp_path / "prebuilt", version, listed, _prebuilt.sources_sha256())
+    assert _prebuilt.listed_key(MODULE, "seq_tables", PARAMS) == ("1" * 64, None)
+    assert _prebuilt.listed_key(MODULE, "seq_tables", dict(cu_dtype="int64"))[1] == "it is not among the prebuilt variants"
+    _write_manifest(tmp_path / "prebuilt", "0.0.1", listed, _prebuilt.sources_sha256())
+    assert f"for TileLang 0.0.1, this is {version}" in _prebuilt.listed_key(MODULE, "seq_tables", PARAMS)[1]
+    _write_manifest(tmp_path / "prebuilt", version, listed, "0" * 64)
+    assert "the kernel sources are not those" in _prebuilt.listed_key(MODULE, "seq_tables", PARAMS)[1]
+
+
+def test_sources_hash_covers_what_the_tir_is_made_from():
+    """Every kernel module and every package module they import is hashed."""
+    import ast
+
+    from qla_compile.kernels import _prebuilt
+
+    here = os.path.dirname(_prebuilt.__file__)
+    reached = set()
+    for name in _prebuilt.KERNEL_MODULES:
+        tree = ast.parse(open(os.path.join(here, name.rsplit(".", 1)[1] + ".py")).read())
+        reached |= {f"{node.module or a.name}.py" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and node.level == 1 for a in node.names}
+    assert reached | {m.rsplit(".", 1)[1] + ".py" for m in _prebuilt.KERNEL_MODULES} == set(_prebuilt.SOURCES)
+
+
+def test_launcher_takes_a_shipped_binary_without_tilelang(tmp_path):
+    """In a fresh process with the installed prebuilt binaries: the host code imports and decides without TileLang,
+    and the launcher (and a kernel handle of the host code) loads a shipped variant into TVM-FFI without it."""
+    script = f"""
+import logging, sys
+import torch
+import qla_compile
+from qla_compile import dispatch
+from qla_compile.kernels import _build, forward
+logging.basicConfig(level=logging.WARNING)
+x = torch.zeros(1, 1, 1, 128)
+assert dispatch._kernels() is forward and forward.unsupported(x, x, x) == "tensors on cpu, not CUDA"
+fn = _build.kernel("seq_tables", "seq_tables", **{PARAMS!r})
+assert forward.seq_tables.seq_tables(**{PARAMS!r}) is fn
+print(type(fn).__module__, "tilelang" in sys.modules)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("QLA_", "TILELANG_"))}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(env, QLA_CACHE_DIR=str(tmp_path)))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["tvm_ffi.core", "False"] and "qla_compile" not in proc.stderr, proc.stderr
+
+
+def test_launcher_falls_back_when_the_sources_changed(tables, launcher, tmp_path, monkeypatch, caplog):
+    """With a manifest whose sources hash is not the installed sources', the launcher logs why and takes the
+    variant by its TIR's key: here the same prebuilt binary, through TileLang, with no compile."""
+    from qla_compile.kernels import _prebuilt
+
+    shutil.copytree(_prebuilt.DIR, tmp_path / "prebuilt")
+    manifest = json.loads((tmp_path / "prebuilt" / "manifest.json").read_text())
+    (tmp_path / "prebuilt" / "manifest.json").write_text(json.dumps(dict(manifest, sources_sha256="0" * 64)))
+    monkeypatch.setattr(_prebuilt, "DIR", str(tmp_path / "prebuilt"))
+    monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("QLA_PREBUILT", raising=False)
+    caplog.set_level(logging.WARNING, logger="qla_compile")
+    kernel = launcher("seq_tables", "seq_tables", **PARAMS)
+    logs = [r.getMessage() for r in caplog.records]
+    assert len(logs) == 1 and "seq_tables(cu_dtype='int32') is not loaded straight from its prebuilt binary" in \
+        logs[0] and "the kernel sources are not those the prebuilt binaries were built from" in logs[0], logs
+    assert kernel.adapter.libpath.startswith(str(tmp_path / "cache" / "prebuilt"))
+
+
+def test_build_artifact_reuses_the_installed_binary_of_a_matching_key(tables, tmp_path, monkeypatch, capsys):
+    """``--build-artifact`` packs a variant whose key the installed binaries hold from them (a stand-in binary
+    here, so that a compile would show), and writes the sources hash."""
+    import tilelang
+
+    from qla_compile import prebuild
+    from qla_compile.kernels import TARGET, _prebuilt
+
+    key = tables.seq_tables.key(**PARAMS)
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    for name in _prebuilt.FILES:
+        (fake / name).write_bytes(f"stand-in {name}".encode())
+    monkeypatch.setattr(_prebuilt, "DIR", str(tmp_path / "prebuilt"))
+    _prebuilt.write([dict(module=MODULE, kernel="seq_tables", params=PARAMS, key=key, entry=str(fake))],
+                    tilelang.__version__, TARGET, "0" * 64)
+    monkeypatch.setattr(prebuild, "all_variants", lambda: [(MODULE, "seq_tables", PARAMS)])
+    monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("QLA_PREBUILT", "1")  # restored after build() sets it to 0
+    prebuild.build(1, artifact=True)
+    assert "seq_tables(cu_dtype='int32'): the installed prebuilt binary" in capsys.readouterr().out
+    manifest = _prebuilt.manifest()
+    assert manifest["sources_sha256"] == _prebuilt.sources_sha256()
+    assert [v["key"] for v in manifest["variants"]] == [key]
+    with tarfile.open(tmp_path / "prebuilt" / "kernels.tar.xz") as tar:
+        assert tar.extractfile(f"{key}/executable.so").read() == b"stand-in executable.so"
+    assert not (tmp_path / "cache" / "kernels").exists()

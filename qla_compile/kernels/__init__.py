@@ -13,7 +13,9 @@ Kernels (TileLang, one compile per variant, see :mod:`._build`):
 * ``chunk_grads`` -- the backward's per-chunk gradients dq, dk, dv, dg and dbeta.
 
 Host code: ``forward`` (:func:`chunk_gdr_fwd_hopper`, :func:`chunk_gdr_fwd_hopper_aux`, what the kernels take)
-and ``backward`` (``chunk_gdr_bwd_hopper``).
+and ``backward`` (``chunk_gdr_bwd_hopper``), with ``chunking`` (the chunk length and the context-parallel piece
+plan). They reach the kernels through ``_build.kernel`` and import no TileLang module themselves, so that prebuilt
+binaries load without TileLang's import.
 """
 
 from ._build import TARGET, cache_dir

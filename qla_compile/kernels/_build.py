@@ -1,5 +1,10 @@
 """Compilation glue: the sm_90a target, the key of a kernel variant and where its binary comes from.
 
+Host code reaches a kernel through :func:`kernel` (or a :class:`Kernels` handle of its module), which loads the
+variant's prebuilt ``executable.so`` straight into TVM-FFI when the prebuilt manifest vouches for it
+(``_prebuilt.listed_key``: the installed kernel sources and TileLang are those it was built from): no TileLang
+import, no TIR. Otherwise, with one log line saying why, it imports the kernel module and calls its factory.
+
 A factory ``f(**params) -> PrimFunc`` wrapped by :func:`compiled` becomes ``f(**params) -> JITKernel``, taken
 from the first of
 
@@ -20,8 +25,11 @@ a CPU-only machine with nvcc (``python -m qla_compile.prebuild``) load on the GP
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -175,3 +183,59 @@ def compiled(factory):
     build.factory = factory
     build.key = lambda **params: variant_key(name, params, factory(**params))
     return build
+
+
+@functools.cache
+def _tvm_ffi():
+    """``tvm_ffi``, with TileLang's runtime libraries loaded globally but TileLang not imported: libtvm_runtime.so
+    registers TVM's CUDA module loader (for the cubin inside each ``executable.so``), libtilelang.so the TMA
+    descriptor builder (``__tvm_tensormap_create_tiled``) that most kernels' host code calls."""
+    lib = os.path.join(os.path.dirname(importlib.util.find_spec("tilelang").origin), "lib")
+    for name in ("libtvm_runtime.so", "libtilelang.so"):
+        ctypes.CDLL(os.path.join(lib, name), mode=ctypes.RTLD_GLOBAL)
+    import tvm_ffi
+
+    return tvm_ffi
+
+
+def load_direct(module: str, name: str, params: dict):
+    """``(callable, None)``: the prebuilt binary of the variant loaded straight into TVM-FFI, its entry function
+    (what TileLang's tvm_ffi adapter calls for a kernel that takes its outputs preallocated, as all of ours do),
+    else ``(None, why not)``."""
+    key, why = _prebuilt.listed_key(f"{__package__}.{module}", name, params)
+    if why is not None:
+        return None, why
+    try:
+        return _tvm_ffi().load_module(os.path.join(_prebuilt.entry(key, cache_dir()), "executable.so")).main, None
+    except Exception as exc:  # noqa: BLE001  (any failure to load means: the slow path)
+        return None, f"its prebuilt binary did not load directly: {exc}"
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(module: str, name: str, **params):
+    """The kernel ``name`` of the kernel module ``module`` (``"kkt_inverse"``, ...) built with ``params``, as a
+    callable of its arguments: the prebuilt binary loaded directly (see the module docstring; not with
+    ``QLA_PREBUILT=0``), else the module's :func:`compiled` factory."""
+    if os.environ.get("QLA_PREBUILT") != "0":
+        with _LOCK:
+            fn, why = load_direct(module, name, params)
+        if fn is not None:
+            return fn
+        log.warning("qla_compile: the kernel %s is not loaded straight from its prebuilt binary (%s); TileLang "
+                    "looks it up by its TIR", describe(name, params), why)
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name)(**params)
+
+
+class Kernels:
+    """The kernels of the kernel module ``module`` by attribute, each through :func:`kernel` (the module itself is
+    imported only when that needs it): ``Kernels("kkt_inverse").kkt_inverse(dk=128, dtype="bfloat16")``."""
+
+    def __init__(self, module: str):
+        self.module = module
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        launcher = functools.partial(kernel, self.module, name)
+        setattr(self, name, launcher)
+        return launcher

@@ -1,17 +1,24 @@
 """The prebuilt sm_90a binaries of every kernel variant, installed with the package in ``prebuilt/`` beside this
 file and made from the kernel sources by ``python -m qla_compile.prebuild --build-artifact``:
 
-* ``manifest.json`` -- the TileLang version and target they were built for, the archive's sha256 and, per
-  variant, its module, kernel, params and key (``_build.variant_key``);
+* ``manifest.json`` -- the TileLang version and target they were built for, the archive's sha256, the kernel
+  sources' sha256 (:func:`sources_sha256`) and, per variant, its module, kernel, params and key
+  (``_build.variant_key``);
 * ``kernels.tar.xz`` -- one directory per key, as ``_build.save`` writes it.
 
 The archive is unpacked on first use into ``<kernel cache>/prebuilt/<its sha256>/``, once per machine and
 archive (it is renamed into place whole, so concurrent processes never see half of it).
+
+A variant is found in two ways: by its key (:func:`why_not`), which needs TileLang and the variant's TIR, or,
+when the installed kernel sources and TileLang are those the manifest lists, by its kernel and params alone
+(:func:`listed_key`: ``_build.kernel``'s fast path, which needs neither).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import io
 import json
 import lzma
@@ -20,9 +27,21 @@ import shutil
 import tarfile
 import tempfile
 
-DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prebuilt")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+DIR = os.path.join(_HERE, "prebuilt")
 FILES = ("device_kernel.cu", "executable.so", "params.json")
 REFRESH = "python -m qla_compile.prebuild --build-artifact"
+# the kernel modules: they generate the TIR and declare their variants (``variants()``)
+KERNEL_MODULES = (
+    "qla_compile.kernels.kkt_inverse",
+    "qla_compile.kernels.seq_tables",
+    "qla_compile.kernels.chunk_recurrence",
+    "qla_compile.kernels.context_parallel",
+    "qla_compile.kernels.reverse_recurrence",
+    "qla_compile.kernels.chunk_grads",
+)
+# every file whose bytes can change a kernel's TIR, in the order sources_sha256 reads them
+SOURCES = tuple(m.rsplit(".", 1)[1] + ".py" for m in KERNEL_MODULES) + ("chunking.py", "_build.py")
 
 
 def _manifest_path():
@@ -40,6 +59,56 @@ def manifest() -> dict | None:
             return json.load(f)
     except FileNotFoundError:
         return None
+
+
+@functools.cache
+def sources_sha256() -> str:
+    """The sha256 of the installed kernel sources: each of :data:`SOURCES` in turn, its name, size and bytes."""
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        with open(os.path.join(_HERE, name), "rb") as f:
+            data = f.read()
+        digest.update(f"{name} {len(data)}\n".encode())
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def sources_mismatch(m: dict) -> str | None:
+    """None when the manifest ``m`` was written from the installed kernel sources, else what to do about it."""
+    if m.get("sources_sha256") == sources_sha256():
+        return None
+    return f"the kernel sources are not those the prebuilt binaries were built from; refresh them: {REFRESH}"
+
+
+def listed_key(module: str, name: str, params: dict) -> tuple[str | None, str | None]:
+    """``(key, None)`` when the prebuilt binaries hold kernel ``name`` of ``module`` with ``params`` for the
+    installed kernel sources and TileLang (checked without importing TileLang or making TIR), else ``(None, why
+    not)``."""
+    m = manifest()
+    if m is None:
+        return None, f"no prebuilt binaries are installed in {DIR}"
+    why = sources_mismatch(m)
+    if why is not None:
+        return None, why
+    try:
+        version = importlib.metadata.version("tilelang")
+    except importlib.metadata.PackageNotFoundError:
+        return None, "TileLang is not installed"
+    if version != m["tilelang"]:
+        return None, f"the prebuilt binaries are for TileLang {m['tilelang']}, this is {version}"
+    for v in m["variants"]:
+        if (v["module"], v["kernel"], v["params"]) == (module, name, params):
+            return v["key"], None
+    return None, "it is not among the prebuilt variants"
+
+
+def reusable(key: str, cache: str) -> str | None:
+    """The directory of the prebuilt variant ``key`` (unpacked under the kernel cache directory ``cache``) when the
+    installed binaries hold it, else None."""
+    m = manifest()
+    if m is None or not any(v["key"] == key for v in m["variants"]):
+        return None
+    return entry(key, cache)
 
 
 def why_not(key: str, name: str, params: dict) -> str | None:
@@ -86,9 +155,10 @@ def _unpack(root):
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def write(variants: list[dict], tilelang_version: str, target: dict):
+def write(variants: list[dict], tilelang_version: str, target: dict, sources: str):
     """Pack the entry directories of ``variants`` (dicts of module, kernel, params, key and entry) into the
-    archive and write the manifest, both byte for byte the same for the same entries."""
+    archive and write the manifest (``sources``: :func:`sources_sha256` of the sources they were built from), both
+    byte for byte the same for the same entries."""
     variants = sorted(variants, key=lambda v: (v["module"], v["kernel"], json.dumps(v["params"], sort_keys=True)))
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -105,7 +175,7 @@ def write(variants: list[dict], tilelang_version: str, target: dict):
         f.write(archive)
     listed = [{k: v[k] for k in ("module", "kernel", "params", "key")} for v in variants]
     with open(_manifest_path(), "w") as f:
-        json.dump({"tilelang": tilelang_version, "target": target,
+        json.dump({"tilelang": tilelang_version, "target": target, "sources_sha256": sources,
                    "archive_sha256": hashlib.sha256(archive).hexdigest(), "variants": listed},
                   f, indent=1, sort_keys=True)
         f.write("\n")

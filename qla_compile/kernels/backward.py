@@ -22,12 +22,18 @@ import heapq
 
 import torch
 
-from . import chunk_grads, chunk_recurrence, context_parallel, kkt_inverse, reverse_recurrence
+from . import chunking
+from ._build import Kernels
+from .chunking import CHUNK
 from .forward import (_DTYPES, _block_dv, _check, _check_context_parallel, _chunk_tables, _cp_plan, _gate_inverse,
                       _host_lengths, _n_slots, _piece_initial_states, _state_arg, _tables, cached_plan_views,
                       lasting_copy)
 
-CHUNK = kkt_inverse.CHUNK
+# the kernel modules' kernels, through ``_build.kernel``: prebuilt binaries load without importing TileLang
+chunk_grads = Kernels("chunk_grads")
+chunk_recurrence = Kernels("chunk_recurrence")
+context_parallel = Kernels("context_parallel")
+reverse_recurrence = Kernels("reverse_recurrence")
 
 
 def _chunk_states(q3, k3, v3, tt, gb, bad, cu, offsets, order, initial_state, dtype, cp, cached=None):
@@ -116,7 +122,7 @@ def _grads_order(lens, chunks, h_v, n_bv, device):
         if chunks is None:
             n_c = [-(-n // CHUNK) for n in lens]
         else:
-            offs = context_parallel.pieces(lens, chunks)[1]
+            offs = chunking.pieces(lens, chunks)[1]
             n_c = [b - a for a, b in zip(offs, offs[1:])]
         if len(_ORDERS) >= _ORDERS_SIZE:
             _ORDERS.clear()

@@ -28,9 +28,9 @@ import tilelang.language as T
 from . import kkt_inverse
 from ._build import compiled
 from .chunk_recurrence import _PTX, _ex2, _exp
+from .chunking import CHUNK
 from .reverse_recurrence import _READY
 
-CHUNK = kkt_inverse.CHUNK
 _LOG2E = 1.4426950408889634
 
 

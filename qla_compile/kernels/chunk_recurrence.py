@@ -31,7 +31,7 @@ fp32 accumulators and gate tables.
 import tilelang.language as T
 
 from ._build import compiled
-from .kkt_inverse import CHUNK
+from .chunking import CHUNK
 
 # setmaxnreg per warpgroup (state, delta, output, producer): sums to 512 = 65536 registers / 128.
 _NREG = (192, 136, 160, 24)

@@ -14,72 +14,20 @@ and gets every piece's initial state without walking the sequence:
 4. The ordinary fused kernel runs over all pieces with these initial states.
 
 Dropping ``M`` changes the result by less than e^-10 (4.5e-5) relative; the ``M`` path is exact up to
-rounding (``M S`` is a TF32 tensor-core product). The plan needs the sequence lengths on the host;
-``forward`` caches them and the piece tables, so that a CUDA-graph capture can reuse the
-plan of an earlier uncaptured call.
+rounding (``M S`` is a TF32 tensor-core product). Where to cut is host code (``chunking.piece_chunks``,
+``chunking.pieces``) and needs the sequence lengths on the host; ``forward`` caches them and the piece tables, so
+that a CUDA-graph capture can reuse the plan of an earlier uncaptured call.
 """
 
-import math
-
-import torch
 import tilelang.language as T
 
 from ._build import compiled
-from .kkt_inverse import CHUNK
+from .chunking import CHUNK
 
 # log of the state decay over a warm-up window that lets the piece's transition M be dropped
 _WARMUP_LOG_DECAY = -10.0
-MIN_PIECE_CHUNKS = 8
 _SCAN_BLOCK_DV = 32
 _NO_CHUNKS = 1 << 30  # skip value of a sequence's last piece: its E and M are not needed
-
-
-def piece_chunks(lens, h_v: int, n_sm: int, backward: bool = False):
-    """Piece length in chunks when CP pays off for these sequence lengths, else None; ``backward``: for a
-    forward whose plan its backward reuses (the rule of the pair), else for a forward alone.
-
-    With n_c chunks per sequence and Be = sum(n_c) / max(n_c) the effective number of sequences, the piece
-    length is L = 2^round(log2(4.5 sqrt(H_v sum(n_c) / SMs))), at least 8 chunks (the shape of FlashQLA's
-    rule, balancing the pieces' walk against the warm-up and scan). A forward alone splits when Be * H_v <= 24
-    with a sequence of at least 64 chunks, or Be * H_v <= 56 with one of at least 128; with its backward,
-    when the longest sequence has at least 2 L chunks and Be * H_v <= 24, or Be * H_v <= 60 with at least 64.
-    Fitted to the forward and to forward + backward times of FlashQLA's 32-row backward set on an H200
-    (``bench/NOTES-bwd.md``, sessions 6 and 7): beyond these bounds the transitions of non-decaying heads
-    cost more than the split saves.
-    """
-    n_c = [-(-n // CHUNK) for n in lens]
-    total, longest = sum(n_c), max(n_c, default=0)
-    if longest == 0:
-        return None
-    be_h = total / longest * h_v
-    chunks = max(MIN_PIECE_CHUNKS, 2 ** round(math.log2(4.5 * math.sqrt(h_v * total / n_sm))))
-    if backward:
-        on = longest >= 2 * chunks and (be_h <= 24 or (be_h <= 60 and longest >= 64))
-    else:
-        on = (be_h <= 24 and longest >= 64) or (be_h <= 56 and longest >= 128)
-    return chunks if on else None
-
-
-def pieces(lens, chunk_len: int):
-    """Host tables of the pieces (each sequence cut every ``chunk_len`` chunks).
-
-    Returns int32 ``cu`` (token bounds of the pieces, ``[P+1]``), ``chunk_offsets`` (first chunk slot
-    of each piece in the unsplit numbering, ``[P+1]``), ``seq_pieces`` (first piece of each sequence,
-    ``[N+1]``) and ``last`` (whether each piece ends its sequence, ``[P]``), as Python lists.
-    """
-    cu, offs, seq_pieces, last = [0], [0], [0], []
-    tok, slot = 0, 0
-    step = chunk_len * CHUNK
-    for n in lens:
-        starts = list(range(0, n, step)) or [0]
-        for j, s in enumerate(starts):
-            end = min(s + step, n)
-            cu.append(tok + end)
-            offs.append(slot + -(-end // CHUNK))
-            last.append(j == len(starts) - 1)
-        tok, slot = tok + n, slot + -(-n // CHUNK)
-        seq_pieces.append(len(last))
-    return cu, offs, seq_pieces, last
 
 
 @compiled

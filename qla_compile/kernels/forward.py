@@ -36,13 +36,21 @@ from typing import NamedTuple
 import torch
 
 from ..reference import l2norm_fp32
-from . import chunk_recurrence, context_parallel, kkt_inverse, seq_tables
+from . import chunking
+from ._build import Kernels
+from .chunking import CHUNK
+
+# the kernel modules' kernels, through ``_build.kernel``: prebuilt binaries load without importing TileLang
+chunk_recurrence = Kernels("chunk_recurrence")
+context_parallel = Kernels("context_parallel")
+kkt_inverse = Kernels("kkt_inverse")
+seq_tables = Kernels("seq_tables")
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _HEAD_DIMS = (128,)
 # Below this many (sequence, v-head) pairs the V dimension is split in two to fill the 132 SMs.
 _FULL_DV_MIN_CTAS = 88
-# Context parallelism is only ever chosen for at most this many v-heads (``context_parallel.piece_chunks``).
+# Context parallelism is only ever chosen for at most this many v-heads (``chunking.piece_chunks``).
 _CP_MAX_HEADS = 60
 # A plan cuts at most this many (piece, v-head) pairs beyond one piece per sequence: a longer piece length is
 # taken where the chosen one would cut more (only sequences of about 200k tokens or more are affected), so
@@ -79,7 +87,7 @@ def _tables(cu_seqlens, batch, seqlen, device):
     order (longest sequence first, ``seq_tables``), built on the device."""
     if cu_seqlens is None:
         steps = torch.arange(batch + 1, device=device, dtype=torch.int32)
-        return steps * seqlen, steps * ((seqlen + kkt_inverse.CHUNK - 1) // kkt_inverse.CHUNK), steps[:-1]
+        return steps * seqlen, steps * ((seqlen + CHUNK - 1) // CHUNK), steps[:-1]
     cu_in = cu_seqlens.to(device)
     if cu_in.dtype not in (torch.int32, torch.int64):
         cu_in = cu_in.to(torch.int32)
@@ -139,7 +147,7 @@ def _host_lengths(cu_seqlens, batch, seqlen, read=True):
 
 
 class _Pieces(NamedTuple):
-    """Device int32 tables of a context-parallel plan (``context_parallel.pieces``), views of one tensor, and its piece
+    """Device int32 tables of a context-parallel plan (``chunking.pieces``), views of one tensor, and its piece
     length."""
 
     cu: torch.Tensor  # [P+1] token bounds of the pieces
@@ -177,7 +185,7 @@ def _piece_tables(lens, chunks, device):
     if key not in _PIECE_TABLES:
         if torch.cuda.is_current_stream_capturing():
             return None
-        cu, offs, seq_pieces, last = context_parallel.pieces(lens, chunks)
+        cu, offs, seq_pieces, last = chunking.pieces(lens, chunks)
         order = sorted(range(len(last)), key=lambda p: offs[p] - offs[p + 1])  # stable: ties in piece order
         firsts = set(seq_pieces[:-1])
         first = [int(p in firsts) for p in range(len(last))]
@@ -194,8 +202,8 @@ def _piece_tables(lens, chunks, device):
 
 
 def _extra_pieces(lens, chunks):
-    """Pieces of cutting ``lens`` every ``chunks`` chunks, beyond one per sequence (``context_parallel.pieces``)."""
-    return sum(max(1, -(-n // (chunks * kkt_inverse.CHUNK))) - 1 for n in lens)
+    """Pieces of cutting ``lens`` every ``chunks`` chunks, beyond one per sequence (``chunking.pieces``)."""
+    return sum(max(1, -(-n // (chunks * CHUNK))) - 1 for n in lens)
 
 
 def cp_cache_numel(n_tok, n_seq, h_v: int, dk: int, dv: int):
@@ -209,8 +217,8 @@ def cp_cache_numel(n_tok, n_seq, h_v: int, dk: int, dv: int):
     fp32 values and one int32 per v-head."""
     if h_v > _CP_MAX_HEADS:
         return 0
-    chunks = n_tok // kkt_inverse.CHUNK + n_seq  # a bound on the chunks of all sequences
-    extra = torch.sym_min(_CP_MAX_EXTRA_PIECE_HEADS // h_v, chunks // context_parallel.MIN_PIECE_CHUNKS)
+    chunks = n_tok // CHUNK + n_seq  # a bound on the chunks of all sequences
+    extra = torch.sym_min(_CP_MAX_EXTRA_PIECE_HEADS // h_v, chunks // chunking.MIN_PIECE_CHUNKS)
     return (n_seq + extra) * h_v * (dk * dv + dk * dk + 1)
 
 
@@ -224,7 +232,7 @@ def _check_context_parallel(context_parallel):
 def _cp_plan(choice, cu_seqlens, batch, seqlen, h_v, device, backward):
     """The :class:`_Pieces` of the context-parallel plan when the kernels run context-parallel, else None
     (``choice``: the caller's ``context_parallel`` argument; ``backward``: the plan of a forward and backward pair,
-    ``context_parallel.piece_chunks``)."""
+    ``chunking.piece_chunks``)."""
     if choice is False or (choice is None and h_v > _CP_MAX_HEADS):
         return None
     lens = _host_lengths(cu_seqlens, batch, seqlen)
@@ -232,12 +240,12 @@ def _cp_plan(choice, cu_seqlens, batch, seqlen, h_v, device, backward):
         return None
     if choice is None:
         n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-        chunks = context_parallel.piece_chunks(lens, h_v, n_sm, backward)
+        chunks = chunking.piece_chunks(lens, h_v, n_sm, backward)
         while chunks is not None and _extra_pieces(lens, chunks) * h_v > _CP_MAX_EXTRA_PIECE_HEADS:
             chunks *= 2  # within what cp_cache_numel provides for
     else:
         chunks = choice
-    if chunks is None or max(lens) <= chunks * kkt_inverse.CHUNK:
+    if chunks is None or max(lens) <= chunks * CHUNK:
         return None
     return _piece_tables(lens, chunks, device)
 
@@ -253,15 +261,15 @@ def _state_arg(state, h_v, dk, dv, device):
 def _n_slots(n_tok, n_seq):
     """Chunk slots of the per-chunk tables: a bound on the chunks of ``n_seq`` sequences of ``n_tok`` tokens
     in all, from shapes alone."""
-    return n_tok // kkt_inverse.CHUNK + n_seq
+    return n_tok // CHUNK + n_seq
 
 
 def _chunk_tables(n_tok, n_seq, h_v, device):
     """Uninitialised per-chunk tables ``(tt, gb, bad)`` of :func:`_n_slots` slots (see
     :func:`chunk_gdr_fwd_hopper_aux`; ``bad``: int32 ``[n_slots, H_v]`` contraction flags, ``kkt_inverse``)."""
     n_slots = _n_slots(n_tok, n_seq)
-    tt = torch.empty(n_slots, h_v, kkt_inverse.CHUNK, kkt_inverse.CHUNK, device=device, dtype=torch.float16)
-    gb = torch.empty(n_slots, h_v, 2, kkt_inverse.CHUNK, device=device, dtype=torch.float32)
+    tt = torch.empty(n_slots, h_v, CHUNK, CHUNK, device=device, dtype=torch.float16)
+    gb = torch.empty(n_slots, h_v, 2, CHUNK, device=device, dtype=torch.float32)
     bad = torch.empty(n_slots, h_v, device=device, dtype=torch.int32)
     return tt, gb, bad
 
@@ -362,7 +370,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     ``gb``: fp32 ``[n_slots, H_v, 2, 64]``, row 0 the in-chunk inclusive cumsum of g, row 1 beta; rows past
     a sequence's end have g = beta = 0 (so gamma repeats the last value and T~ has unit rows there).
     With ``use_qk_l2norm`` the kernels see the normalised q, k (done here with torch ops).
-    ``context_parallel``: None chooses (``context_parallel.piece_chunks``, with ``for_backward`` the rule of a forward
+    ``context_parallel``: None chooses (``chunking.piece_chunks``, with ``for_backward`` the rule of a forward
     and backward pair), False never splits, an int splits every longer sequence into pieces of that many
     chunks. ``cp_cache``: with ``for_backward``, a flat fp32 tensor of :func:`cp_cache_numel` elements (a size
     known from shapes) that holds, when the forward ran context-parallel, the pieces' initial states,

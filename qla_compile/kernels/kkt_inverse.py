@@ -20,8 +20,8 @@ The chunk recurrence that consumes T~ is ``chunk_recurrence.chunk_fwd_ws``.
 import tilelang.language as T
 
 from ._build import compiled
+from .chunking import CHUNK
 
-CHUNK = 64
 _HALF = 32  # kkt_inverse works on two 32x32 diagonal blocks
 _HEADS_PER_CTA = 4  # v-heads (of one qk-head) per CTA of kkt_inverse; even (they are processed in pairs)
 _LD_STRIDE = 40  # fp32 row stride of the smem copies of K K^T (conflict-free fragment stores)

@@ -27,7 +27,7 @@ import tilelang.language as T
 from ._build import compiled
 from .chunk_recurrence import _PTX, _exp, _gamma_times, _lg2
 from .context_parallel import _WARMUP_LOG_DECAY
-from .kkt_inverse import CHUNK
+from .chunking import CHUNK
 
 
 @T.macro

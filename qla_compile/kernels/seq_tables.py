@@ -4,7 +4,7 @@ packed sequences and the recurrent kernels' launch order (longest sequence first
 import tilelang.language as T
 
 from ._build import compiled
-from .kkt_inverse import CHUNK
+from .chunking import CHUNK
 
 _TABLE_BLOCK = 1024  # sequences per step of seq_tables' scan
 

@@ -71,7 +71,7 @@ def test_context_parallel_matches_fp64_oracle(name):
     kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=len(name))
     lens = [T] * B if cu is None else [b - a for a, b in zip(cu, cu[1:])]
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    chunks = cp or kernels.context_parallel.piece_chunks(lens, HV, n_sm)
+    chunks = cp or kernels.chunking.piece_chunks(lens, HV, n_sm)
     assert chunks is not None and max(lens) > chunks * 64  # the case does split
     o, ht = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=cp)
     ref_o, ref_ht = recurrent_gdr_reference(
