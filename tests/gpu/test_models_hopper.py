@@ -147,7 +147,12 @@ def test_model_trains_on_packed_sequences():
         unpacked_logits, _ = _train_step(model, model, ids)
     assert rel_err(logits, eager_logits) < 1e-2
     assert _grad_err(grads, eager_grads) < 2e-2
-    assert rel_err(unpacked_logits, eager_logits) > 10 * rel_err(logits, eager_logits)
+    # Packing shows where a sequence starts: the gates of a random model forget within a few tokens, so over all
+    # 3000 tokens unpacking moves the logits by about bf16's noise (H200: 5.4e-3 vs 4.5e-3 between the compiled
+    # and the eager path once their L2 norms round apart), but the first tokens after each boundary far more.
+    after = torch.cat([torch.arange(b, b + 4) for b in cu[1:-1].tolist()])
+    assert rel_err(unpacked_logits[:, after], eager_logits[:, after]) > 5 * rel_err(logits[:, after],
+                                                                                   eager_logits[:, after])
 
 
 def test_chunked_prefill_carries_the_state():
