@@ -12,6 +12,8 @@ Traced calls do not come here: there these are graph ops that Inductor fuses (``
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -55,6 +57,12 @@ def _l2norm_bwd(x_ptr, dy_ptr, dx_ptr, n_rows, heads, stride_t, stride_h, eps, D
     tl.store(dx_ptr + dense, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+def _on(device):
+    """The tensors' device made current: Triton launches on the current device's stream (a CPU device: Triton's
+    interpreter, in the tests)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _strided_rows(x):
     """``(x, stride of a token, stride of a head)`` with x addressable as rows ``(token, head)`` of unit-stride
     elements (copied contiguous only where it is not)."""
@@ -70,8 +78,9 @@ def _launch(kernel, x, *tensors):
     n_rows = B * T * H
     out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if n_rows:
-        kernel[(triton.cdiv(n_rows, _ROWS),)](x, *tensors, out, n_rows, H, stride_t, stride_h, L2NORM_EPS, D=D,
-                                               BLOCK_D=triton.next_power_of_2(D), ROWS=_ROWS, num_warps=4)
+        with _on(x.device):
+            kernel[(triton.cdiv(n_rows, _ROWS),)](x, *tensors, out, n_rows, H, stride_t, stride_h, L2NORM_EPS, D=D,
+                                                   BLOCK_D=triton.next_power_of_2(D), ROWS=_ROWS, num_warps=4)
     return out
 
 
@@ -155,8 +164,9 @@ def gates(g, beta, A_log, dt_bias, opts: GDROptions):
     go = torch.empty(g.shape, device=g.device, dtype=torch.float32)
     bo = torch.empty(beta.shape, device=beta.device, dtype=torch.float32)
     if g.numel():
-        _gates_fwd[(triton.cdiv(g.numel(), _BLOCK),)](g, beta, *_params(A_log, dt_bias, go), go, bo,
-                                                      **_gate_args(g, dt_bias, opts))
+        with _on(g.device):
+            _gates_fwd[(triton.cdiv(g.numel(), _BLOCK),)](g, beta, *_params(A_log, dt_bias, go), go, bo,
+                                                          **_gate_args(g, dt_bias, opts))
     return go, bo
 
 
@@ -170,8 +180,9 @@ def gates_bwd(g, beta, A_log, dt_bias, opts: GDROptions, dga, dba):
     db = torch.empty(beta.shape, device=beta.device, dtype=beta.dtype)
     da = torch.empty(g.shape if opts.use_gate_in_kernel else (0,), device=g.device, dtype=torch.float32)
     if g.numel():
-        _gates_bwd[(triton.cdiv(g.numel(), _BLOCK),)](g, beta, *_params(A_log, dt_bias, dg), dga, dba, dg, db, da,
-                                                      **_gate_args(g, dt_bias, opts))
+        with _on(g.device):
+            _gates_bwd[(triton.cdiv(g.numel(), _BLOCK),)](g, beta, *_params(A_log, dt_bias, dg), dga, dba, dg, db,
+                                                          da, **_gate_args(g, dt_bias, opts))
     dA_log = ddt_bias = None
     if opts.use_gate_in_kernel:
         dA_log = da.view(-1, g.shape[-1]).double().sum(0).to(A_log.dtype)
