@@ -141,16 +141,9 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: G
         run = _fla_forward if impl == "fla" else chunk_gdr_fwd_reference
         o, ht = run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
         return o, ht, *aux_like(q, k, v, cu_seqlens), q.new_empty(0, dtype=torch.float32)
-    acts = _activations()
-    if acts is None:
-        g, beta = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
-    else:
-        g, beta = acts.gates(g, beta, A_log, dt_bias, opts)
-        if opts.use_qk_l2norm_in_kernel:
-            q, k = acts.l2norm(q), acts.l2norm(k)
+    qa, ka, ga, ba, _ = _activated(q, k, g, beta, A_log, dt_bias, opts)
     o, ht, tt, gb, _, cp_cache = _kernels().chunk_gdr_fwd_hopper_aux(
-        q, k, v, g, beta, opts.scale, _state_to_kv(initial_state, opts), cu_seqlens,
-        opts.use_qk_l2norm_in_kernel and acts is None, for_backward=for_backward,
+        qa, ka, v, ga, ba, opts.scale, _state_to_kv(initial_state, opts), cu_seqlens, for_backward=for_backward,
     )
     return o, (ht.mT.contiguous() if opts.state_v_first else ht), tt.view(-1), gb.view(-1), cp_cache
 
@@ -168,13 +161,7 @@ def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
         h_v = v.shape[2]
         aux = (aux[0].view(-1, h_v, CHUNK, CHUNK), aux[1].view(-1, h_v, 2, CHUNK), aux[2])
 
-    acts, l2 = _activations(), opts.use_qk_l2norm_in_kernel
-    if acts is None:
-        qa, ka = (l2norm_fp32(q), l2norm_fp32(k)) if l2 else (q, k)
-        ga, ba = activate_gates(g, beta, A_log, dt_bias, opts, torch.float32)
-    else:
-        qa, ka = (acts.l2norm(q), acts.l2norm(k)) if l2 else (q, k)
-        ga, ba = acts.gates(g, beta, A_log, dt_bias, opts)
+    qa, ka, ga, ba, acts = _activated(q, k, g, beta, A_log, dt_bias, opts)
     dqa, dka, dv, dga, dba, dh0 = chunk_gdr_bwd_hopper(
         do.contiguous(), _state_to_kv(dht, opts), qa, ka, v, ga, ba, opts.scale,
         _state_to_kv(initial_state, opts), cu_seqlens, aux=aux,
@@ -184,6 +171,7 @@ def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
             q, k, g, beta, A_log, dt_bias, opts, dqa.float(), dka.float(), dga.float(), dba.float()
         )
     else:
+        l2 = opts.use_qk_l2norm_in_kernel
         dq, dk = (acts.l2norm_bwd(q, dqa), acts.l2norm_bwd(k, dka)) if l2 else (dqa, dka)
         dg, dbeta, dA_log, ddt_bias = acts.gates_bwd(g, beta, A_log, dt_bias, opts, dga, dba)
     if dh0 is not None:
@@ -191,12 +179,19 @@ def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
 
 
-def _activations():
-    """:func:`input_activations` for a Hopper call; one that has to do without is counted."""
-    module = input_activations()
-    if module is None:
+def _activated(q, k, g, beta, A_log, dt_bias, opts: GDROptions):
+    """``(q, k, g, beta, acts)``: the inputs as the Hopper kernels take them (q/k L2-normalised where asked, fp32
+    gates), by :func:`input_activations` (``acts``), or by torch ops where that is None (such a call is
+    counted)."""
+    acts = input_activations()
+    if acts is None:
         _choices["hopper", "the input activations as torch ops (Triton does not import)"] += 1
-    return module
+        norm, gates = l2norm_fp32, functools.partial(activate_gates, dtype=torch.float32)
+    else:
+        norm, gates = acts.l2norm, acts.gates
+    if opts.use_qk_l2norm_in_kernel:
+        q, k = norm(q), norm(k)
+    return (q, k, *gates(g, beta, A_log, dt_bias, opts), acts)
 
 
 def _fla_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions):
