@@ -7,8 +7,9 @@ so ``fla`` is FLA's own Triton path. Layers (hidden 2048, bf16, batch 1): ``fla-
 (K = V = 128 with 16 qk-heads and 16 or 32 v-heads), ``fla-default`` (FLA's defaults: 6 heads, K 256, V 512) and
 ``hf-qwen3next`` (16 qk / 32 v heads x 128). Per row the median ms of the layer's forward (no grad) or forward +
 backward (of ``out.float().square().mean()``), from one profiled step the time of all its kernels and of the GDN
-op's own (its top kernels go to ``latest-layer-profiles.json`` and the log), and the relative L2 of the output
-against the ``fla`` path.
+op's own (its top kernels go to ``latest-layer-profiles.json`` and the log), the median ms of the same step
+replayed as one CUDA graph (``graph_ms``: the GPU's time without Python and launch overhead; ``None`` where
+capture fails, with the reason in the log), and the relative L2 of the output against the ``fla`` path.
 
     python bench/bench_layer.py --out $OUT [--layers ...] [--lengths 8192,32768] [--ops fwd,fwd+bwd]
 """
@@ -66,6 +67,25 @@ def step_fn(fn, layer, x, op):
     return step
 
 
+def graph_ms(step, reps, rounds):
+    """Median ms of ``step`` captured once as a CUDA graph and replayed, or None (the reason printed) where the
+    step cannot be captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up off the default stream, as capture wants
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except Exception as exc:  # noqa: BLE001  (any capture failure is a row without the column)
+        print(f"  capture failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        torch.cuda.synchronize()
+        return None
+    return median_ms(graph.replay, reps, rounds)
+
+
 def _out(result):
     return result[0] if isinstance(result, tuple) else result
 
@@ -101,7 +121,9 @@ def main():
                     step()
                     ms = median_ms(step, args.reps, args.rounds)
                     gdn_ms, kernels_ms, top = profile_step(step)
+                    g_ms = graph_ms(step, args.reps, args.rounds)
                     rows.append(dict(layer=name, K=k, V=v, T=T, op=op, path=path, ms=round(ms, 3),
+                                     graph_ms=None if g_ms is None else round(g_ms, 3),
                                      gdn_ms=round(gdn_ms, 3), kernels_ms=round(kernels_ms, 3),
                                      out_vs_fla=float(f"{rel_l2(out, ref):.3e}")))
                     profiles.append(dict(layer=name, T=T, op=op, path=path, top_kernels=top))
@@ -117,14 +139,17 @@ def main():
     meta = versions()
     lines = [f"# Layer level, {meta['gpu']}, {datetime.date.today().isoformat()}", "",
              "Versions: " + ", ".join(f"{a} {b}" for a, b in meta.items()), "",
-             "| layer | K/V | T | op | path | ms | fla / path | kernels ms | GDN op ms | fla GDN / path GDN | out vs fla |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| layer | K/V | T | op | path | ms | fla / path | graph ms | fla / path (graph) | kernels ms | GDN op ms | "
+             "fla GDN / path GDN | out vs fla |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {(r["layer"], r["T"], r["op"]): r for r in rows if r["path"] == "fla"}
     for r in rows:
         b = base[(r["layer"], r["T"], r["op"])]
         gdn = f"{b['gdn_ms'] / r['gdn_ms']:.2f}" if r["gdn_ms"] else "-"
+        graph = f"{b['graph_ms'] / r['graph_ms']:.2f}" if r["graph_ms"] and b["graph_ms"] else "-"
         lines.append(f"| {r['layer']} | {r['K']}/{r['V']} | {r['T']} | {r['op']} | {r['path']} | {r['ms']} | "
-                     f"{b['ms'] / r['ms']:.2f} | {r['kernels_ms']} | {r['gdn_ms']} | {gdn} | {r['out_vs_fla']} |")
+                     f"{b['ms'] / r['ms']:.2f} | {r['graph_ms'] or '-'} | {graph} | {r['kernels_ms']} | {r['gdn_ms']} | "
+                     f"{gdn} | {r['out_vs_fla']} |")
     with open(os.path.join(args.out, f"{datetime.date.today().isoformat()}-layer.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
