@@ -1,90 +1,24 @@
 """The FX pass on the collection of ``gdn_forms`` under ``torch.compile(backend=...)`` on CPU: every GDN form is
-fused into one call of our op, every look-alike is left as it was; outputs and gradients match eager, and the pass
-stays within its time budget."""
+fused into one call of our op, every look-alike is left as it was (``pass_checks``); outputs and gradients match
+eager, and the pass stays within its time budget."""
 import pytest
 import torch
 import torch.nn.functional as F
-
-import qla_compile as qb
-from gdn_forms import (
-    FORMS, LOOK_ALIKES, chunk_solve_c64, gdn_read_before_update, recurrent_repeat_interleave, retention_scalar_gate,
-)
+from gdn_forms import FORMS, LOOK_ALIKES, chunk_solve_c64, gdn_read_before_update, recurrent_repeat_interleave, \
+    retention_scalar_gate
 from gdn_inputs import make_inputs, outputs_and_grads, rel_err
-from qla_compile import recurrent_gdr_reference
-from qla_compile.passes.fuse import PASS_BUDGET_SECONDS
-
-NAMES = ("q", "k", "v", "g", "beta")
-
-
-def _compiled(fn, args, differentiable=True):
-    """Outputs and gradients (``outputs_and_grads``) of ``fn`` compiled with the backend, and the pass's report."""
-    torch._dynamo.reset()
-    backend = qb.make_backend(inductor=False, front_door=False)
-    outs, grads = outputs_and_grads(torch.compile(fn, backend=backend, fullgraph=True), args, differentiable)
-    (report,) = backend.reports
-    assert report.pass_seconds <= PASS_BUDGET_SECONDS, report.summary()
-    return outs, grads, report
-
-
-def _form_inputs(form, seed):
-    """The form's arguments, in its layout and dtype (the initial state fp32)."""
-    kw = make_inputs(B=2, T=form.T, H=form.H, HV=form.HV, K=16, V=16, l2norm=form.l2norm,
-                     initial_state=form.initial_state, seed=seed)
-    args = [kw[n].to(form.dtype) for n in NAMES]
-    args = [x.transpose(1, 2).contiguous() for x in args] if form.head_major else args
-    return args + ([kw["initial_state"]] if form.initial_state else [])
-
-
-def _oracle(form):
-    """The float64 per-token recurrence, as a function of the form's arguments and with its outputs."""
-    def run(*args):
-        q, k, v, g, beta, *h0 = (a.transpose(1, 2) if form.head_major and i < 5 else a for i, a in enumerate(args))
-        o, state = recurrent_gdr_reference(q, k, v, g, beta, scale=form.scale, initial_state=h0[0] if h0 else None,
-                                           output_final_state=form.final_state,
-                                           use_qk_l2norm_in_kernel=form.l2norm)
-        o = o.transpose(1, 2) if form.head_major else o
-        return (o, state) if form.final_state else o
-
-    return run
+from pass_checks import NAMES, check_form_fused, check_look_alike_left_alone
+from pass_checks import compiled as _compiled
 
 
 @pytest.mark.parametrize("name", FORMS)
 def test_form_is_fused_and_matches_eager(name):
-    form = FORMS[name]
-    args = _form_inputs(form, seed=sorted(FORMS).index(name))
-    eager, eager_grads = outputs_and_grads(form.fn, args, form.differentiable)
-    oracle, oracle_grads = outputs_and_grads(_oracle(form), [a.double() for a in args], form.differentiable)
-    half = form.dtype != torch.float32
-    assert max(rel_err(e, r) for e, r in zip(eager, oracle)) < (1e-2 if half else 1e-5)  # the form is GDN
-    outs, grads, report = _compiled(form.fn, args, form.differentiable)
-    assert [r.status for r in report.regions] == ["replaced"], report.summary()
-    assert report.nodes_after < 20, report.summary()
-    if not half:
-        assert all(rel_err(o, e) < 1e-4 for o, e in zip(outs, eager))
-        assert all(rel_err(d, e) < 1e-3 for d, e in zip(grads, eager_grads))
-        return
-    # fp16/bf16: as close to the float64 oracle as eager is (or 1e-2); our op computes in fp32 inside
-    for got, ref, want in (*zip(outs, eager, oracle), *zip(grads, eager_grads, oracle_grads)):
-        assert rel_err(got, want) <= max(2 * rel_err(ref, want), 1e-2)
-
-
-def _look_alike_inputs(form, seed):
-    kw = make_inputs(B=2, T=form.T, H=2, HV=form.HV, K=16, V=16, seed=seed)
-    if form.key_gate:  # per key channel, in the recurrences' stable range
-        kw["g"] = -0.5 * torch.rand(2, form.T, 2, 16, generator=torch.Generator().manual_seed(seed))
-    return [kw[n] for n in NAMES]
+    check_form_fused(name)
 
 
 @pytest.mark.parametrize("name", LOOK_ALIKES)
 def test_look_alike_is_left_alone(name):
-    form = LOOK_ALIKES[name]
-    args = _look_alike_inputs(form, seed=sorted(LOOK_ALIKES).index(name))
-    eager, eager_grads = outputs_and_grads(form.fn, args)
-    outs, grads, report = _compiled(form.fn, args)
-    assert report.fused_calls == 0 and report.nodes_after == report.nodes_before, report.summary()
-    assert all(r.status == "rejected" for r in report.regions), report.summary()
-    assert all(rel_err(o, e) < 1e-6 for o, e in zip(outs, eager))
-    assert all(rel_err(d, e) < 1e-6 for d, e in zip(grads, eager_grads))
+    check_look_alike_left_alone(name)
 
 
 @pytest.mark.parametrize("fn, fused", [(recurrent_repeat_interleave, True), (gdn_read_before_update, False)])

@@ -1,12 +1,14 @@
-"""The FX pass on CUDA tensors (K = V = 128): a GDN form no library writes, proven on the GPU (random inputs on the
-graph's own device) and fused into our op; outputs and gradients as close to the float64 oracle as eager's."""
+"""The FX pass on CUDA tensors: GDN forms no library writes, proven on the GPU (random inputs on the graph's own
+device) and fused into our op, with outputs and gradients as close to the float64 oracle as eager's (K = V = 128,
+and the whole ``gdn_forms`` collection); its look-alikes left alone."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import qla_compile as qb
-from gdn_forms import recurrent_indexed_heads_vk_state
+from gdn_forms import FORMS, LOOK_ALIKES, recurrent_indexed_heads_vk_state
 from gdn_inputs import make_inputs, outputs_and_grads, rel_err
+from pass_checks import check_form_fused, check_look_alike_left_alone
 from qla_compile import dispatch, recurrent_gdr_reference
 from qla_compile.passes.fuse import PASS_BUDGET_SECONDS
 
@@ -82,3 +84,20 @@ def test_unseen_form_is_proven_and_fused_on_cuda(name, monkeypatch):
     for x, e, w in (*zip(got, eager, want), *zip(got_grads, eager_grads, want_grads)):
         assert x.device.type == "cuda" and torch.isfinite(x).all()
         assert rel_err(x, w) <= max(2 * rel_err(e, w), floor), (rel_err(x, w), rel_err(e, w))
+
+
+@pytest.fixture
+def reference_on_cuda(monkeypatch):
+    """Our op's non-Hopper CUDA calls run the reference (the collection's K = 16 is not our kernels'; FLA's Triton
+    autotune would take minutes here): what is checked is the pass, proving on CUDA tensors."""
+    monkeypatch.setattr(dispatch, "fla_op", lambda: None)
+
+
+@pytest.mark.parametrize("name", FORMS)
+def test_collection_form_is_fused_on_cuda(name, reference_on_cuda):
+    check_form_fused(name, "cuda")
+
+
+@pytest.mark.parametrize("name", LOOK_ALIKES)
+def test_collection_look_alike_is_left_alone_on_cuda(name, reference_on_cuda):
+    check_look_alike_left_alone(name, "cuda")
