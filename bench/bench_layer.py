@@ -120,15 +120,16 @@ def main():
                     ref = out if path == "fla" else ref
                     step()
                     ms = median_ms(step, args.reps, args.rounds)
-                    gdn_ms, kernels_ms, top = profile_step(step)
+                    gdn_ms, kernels_ms, top, gdn_top = profile_step(step)
                     g_ms = graph_ms(step, args.reps, args.rounds)
                     rows.append(dict(layer=name, K=k, V=v, T=T, op=op, path=path, ms=round(ms, 3),
                                      graph_ms=None if g_ms is None else round(g_ms, 3),
                                      gdn_ms=round(gdn_ms, 3), kernels_ms=round(kernels_ms, 3),
                                      out_vs_fla=float(f"{rel_l2(out, ref):.3e}")))
-                    profiles.append(dict(layer=name, T=T, op=op, path=path, top_kernels=top))
+                    profiles.append(dict(layer=name, T=T, op=op, path=path, top_kernels=top, gdn_kernels=gdn_top))
                     print(json.dumps(rows[-1]), flush=True)
                     print("  top kernels (ms):", "; ".join(f"{n[:60]} {t}" for n, t in top[:8]), flush=True)
+                    print("  in the GDN op (ms):", "; ".join(f"{n[:60]} {t}" for n, t in gdn_top), flush=True)
         del layer
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)

@@ -124,20 +124,41 @@ def dynamo_counts():
 
 
 def profile_step(step):
-    """(ms of the GDN ops' kernels, ms of all kernels, the top kernels [(name, ms)]) of one step."""
+    """(ms of the GDN ops' kernels, ms of all kernels, the top kernels [(name, ms)], the top kernels inside the
+    GDN ops [(name, ms)]) of one step."""
+    import collections
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in kernels)
-    gdn = sum(e.device_time_total for e in events if e.key in GDN_OPS)  # ops: the kernels they launched
     kernels.sort(key=lambda e: -e.self_device_time_total)
     top = [(e.key[:90], round(e.self_device_time_total / 1e3, 3)) for e in kernels[:12]]
-    return gdn / 1e3, total / 1e3, top
+    inside = collections.Counter()  # kernels launched within a GDN op (outermost ones only: no double count)
+    for event in prof.events():
+        if event.key in GDN_OPS and not _below_gdn(event.cpu_parent):
+            for kernel in _kernels_below(event):
+                inside[kernel.name[:90]] += kernel.duration
+    gdn_top = [(name, round(us / 1e3, 3)) for name, us in inside.most_common(12)]
+    return sum(inside.values()) / 1e3, total / 1e3, top, gdn_top
+
+
+def _below_gdn(event):
+    while event is not None:
+        if event.key in GDN_OPS:
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def _kernels_below(event):
+    yield from event.kernels
+    for child in event.cpu_children:
+        yield from _kernels_below(child)
 
 
 def rel_l2(x, ref):
@@ -190,10 +211,10 @@ def worker(args):
                                      graphs=graphs - graphs0, **{k: float(f"{v:.3e}") for k, v in check.items()}))
                     print(json.dumps(rows[-1]), flush=True)
                     if i == 0 and args.profile:
-                        gdn_ms, total_ms, top = profile_step(step)
+                        gdn_ms, total_ms, top, gdn_top = profile_step(step)
                         share = None if path == "qla-reduce-overhead" else gdn_ms / total_ms  # replays: no ops
                         profiles.append(dict(model=model_kind, T=T, kind=kind, path=path, gdn_share=share,
-                                             device_ms=round(total_ms, 3), top=top))
+                                             device_ms=round(total_ms, 3), top=top, gdn_top=gdn_top))
                     del step, ids
                     torch.cuda.empty_cache()
             del fn
