@@ -7,7 +7,8 @@ so ``fla`` is FLA's own Triton path. Layers (hidden 2048, bf16, batch 1): ``fla-
 (K = V = 128 with 16 qk-heads and 16 or 32 v-heads), ``fla-default`` (FLA's defaults: 6 heads, K 256, V 512) and
 ``hf-qwen3next`` (16 qk / 32 v heads x 128). Per row the median ms of the layer's forward (no grad) or forward +
 backward (of ``out.float().square().mean()``), from one profiled step the time of all its kernels and of the GDN
-op's own (its top kernels go to ``latest-layer-profiles.json`` and the log), the median ms of the same step
+op's own (its top kernels go to ``latest-layer-profiles.json`` and the log), the graphs and graph breaks dynamo
+counted while compiling (``qla-compiled``), the median ms of the same step
 replayed as one CUDA graph (``graph_ms``: the GPU's time without Python and launch overhead; ``None`` where
 capture fails, with the reason in the log), and the relative L2 of the output against the ``fla`` path.
 
@@ -26,7 +27,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import rel_l2, versions  # noqa: E402
-from bench.model import median_ms, profile_step  # noqa: E402
+from bench.model import dynamo_counts, median_ms, profile_step  # noqa: E402
 
 PATHS = ("fla", "qla-eager", "qla-compiled")
 LAYERS = ("fla-128x16", "fla-128x32", "fla-default", "hf-qwen3next")
@@ -116,14 +117,17 @@ def main():
                     torch._dynamo.reset()
                     fn = torch.compile(layer, backend=qla_compile.backend) if path == "qla-compiled" else layer
                     step = step_fn(fn, layer, x, op)
+                    breaks0, graphs0 = dynamo_counts()
                     out = step().float()
+                    breaks, graphs = (a - b for a, b in zip(dynamo_counts(), (breaks0, graphs0)))
                     ref = out if path == "fla" else ref
                     step()
                     ms = median_ms(step, args.reps, args.rounds)
                     gdn_ms, kernels_ms, top, gdn_top = profile_step(step)
                     g_ms = graph_ms(step, args.reps, args.rounds)
                     rows.append(dict(layer=name, K=k, V=v, T=T, op=op, path=path, ms=round(ms, 3),
-                                     graph_ms=None if g_ms is None else round(g_ms, 3),
+                                     graph_ms=None if g_ms is None else round(g_ms, 3), graphs=graphs,
+                                     graph_breaks=breaks,
                                      gdn_ms=round(gdn_ms, 3), kernels_ms=round(kernels_ms, 3),
                                      out_vs_fla=float(f"{rel_l2(out, ref):.3e}")))
                     profiles.append(dict(layer=name, T=T, op=op, path=path, top_kernels=top, gdn_kernels=gdn_top))
@@ -141,8 +145,8 @@ def main():
     lines = [f"# Layer level, {meta['gpu']}, {datetime.date.today().isoformat()}", "",
              "Versions: " + ", ".join(f"{a} {b}" for a, b in meta.items()), "",
              "| layer | K/V | T | op | path | ms | fla / path | graph ms | fla / path (graph) | kernels ms | GDN op ms | "
-             "fla GDN / path GDN | out vs fla |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "fla GDN / path GDN | graphs / breaks | out vs fla |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {(r["layer"], r["T"], r["op"]): r for r in rows if r["path"] == "fla"}
     for r in rows:
         b = base[(r["layer"], r["T"], r["op"])]
@@ -150,7 +154,7 @@ def main():
         graph = f"{b['graph_ms'] / r['graph_ms']:.2f}" if r["graph_ms"] and b["graph_ms"] else "-"
         lines.append(f"| {r['layer']} | {r['K']}/{r['V']} | {r['T']} | {r['op']} | {r['path']} | {r['ms']} | "
                      f"{b['ms'] / r['ms']:.2f} | {r['graph_ms'] or '-'} | {graph} | {r['kernels_ms']} | {r['gdn_ms']} | "
-                     f"{gdn} | {r['out_vs_fla']} |")
+                     f"{gdn} | {r['graphs']} / {r['graph_breaks']} | {r['out_vs_fla']} |")
     with open(os.path.join(args.out, f"{datetime.date.today().isoformat()}-layer.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
