@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build .devdeps/fi07-part1.tar.xz and .devdeps/fi07-part2.tar.xz: FlashInfer 0.7.x (its CuTe-DSL SM90 GDN
+# Build .devdeps-fi07/fi07-part1.tar.xz and .devdeps-fi07/fi07-part2.tar.xz: FlashInfer 0.7.x (its CuTe-DSL SM90 GDN
 # prefill, the peer "flashinfer-0.7" of bench/bench_fwd.py) and the CUTLASS DSL it compiles with, pruned to
 # what that prefill imports and runs, in parts small enough to be carried one per device call.
 #
@@ -24,13 +24,14 @@
 #
 # On the GPU machine (each call carries at most 64 MiB; /tmp survives only while the machine stays warm,
 # i.e. the next call comes within 30 s of the last one's return). With site.tar.xz and the two parts in
-# .devdeps/ (all git-excluded), three consecutive calls:
+# .devdeps/ and .devdeps-fi07/ (all git-excluded; the parts stay out of .devdeps so that carrying .devdeps
+# alone stays under the 64 MiB a run may carry), three consecutive calls:
 #   1. carry [".devdeps/site.tar.xz", ...your kernel caches]:
 #        mkdir -p /tmp/site && tar xJf .devdeps/site.tar.xz -C /tmp/site
-#   2. carry [".devdeps/fi07-part1.tar.xz"]:
-#        mkdir -p /tmp/fi07 && tar xJf .devdeps/fi07-part1.tar.xz -C /tmp/fi07
-#   3. carry [".devdeps/fi07-part2.tar.xz"]:
-#        tar xJf .devdeps/fi07-part2.tar.xz -C /tmp/fi07 && export PYTHONPATH=$PWD:/tmp/site
+#   2. carry [".devdeps-fi07/fi07-part1.tar.xz"]:
+#        mkdir -p /tmp/fi07 && tar xJf .devdeps-fi07/fi07-part1.tar.xz -C /tmp/fi07
+#   3. carry [".devdeps-fi07/fi07-part2.tar.xz"]:
+#        tar xJf .devdeps-fi07/fi07-part2.tar.xz -C /tmp/fi07 && export PYTHONPATH=$PWD:/tmp/site
 #        && python3 bench/bench_fwd.py --heads 16/64 --out bench/results   (finds /tmp/fi07 by itself)
 #      (then copy bench/results/latest-fwd*.json and today's -fwd.md to $OUT; the whole recipe, with the
 #      wheel's conventions: bench/NOTES-fwd.md, "FlashInfer 0.7 as a peer")
@@ -43,6 +44,7 @@ cd "$root"
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
 grep -qxF '/.devdeps/' "$exclude" 2>/dev/null || echo '/.devdeps/' >> "$exclude"
+grep -qxF '/.devdeps-fi07/' "$exclude" 2>/dev/null || echo '/.devdeps-fi07/' >> "$exclude"
 FI07=${FI07:-0.7.2.post1}; CUTLASS_DSL=${CUTLASS_DSL:-4.7.1}; PART_MB=${PART_MB:-55}; XZ_LEVEL=${XZ_LEVEL:-6}
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp
@@ -78,19 +80,19 @@ EOF
 chmod -R u+rwX,go+rX "$site"
 find "$site" -name '*.so*' -type f -exec chmod +x {} +
 
-mkdir -p .devdeps
-rm -f .devdeps/fi07-part*.tar.xz
+mkdir -p .devdeps-fi07
+rm -f .devdeps-fi07/fi07-part*.tar.xz
 (cd "$site" && ls -d "$mlir_libs"/_cutlass_ir.cu13.*.so) > "$work/part1.list"
 (cd "$site" && find . -mindepth 1 \( -type f -o -type l \) | sed 's|^\./||' | grep -vxF -f "$work/part1.list" | sort) \
   > "$work/part2.list"
 for n in 1 2; do
-  tar cf - -C "$site" --owner=0 --group=0 -T "$work/part$n.list" | xz "-$XZ_LEVEL" -T0 > ".devdeps/fi07-part$n.tar.xz"
+  tar cf - -C "$site" --owner=0 --group=0 -T "$work/part$n.list" | xz "-$XZ_LEVEL" -T0 > ".devdeps-fi07/fi07-part$n.tar.xz"
 done
 status=0
 for n in 1 2; do
-  size=$(stat -c %s ".devdeps/fi07-part$n.tar.xz")
+  size=$(stat -c %s ".devdeps-fi07/fi07-part$n.tar.xz")
   awk -v n="$n" -v s="$size" -v f="$(wc -l < "$work/part$n.list")" \
-    'BEGIN { printf ".devdeps/fi07-part%s.tar.xz  %6.1f MB  (%s files)\n", n, s / 1e6, f }'
+    'BEGIN { printf ".devdeps-fi07/fi07-part%s.tar.xz  %6.1f MB  (%s files)\n", n, s / 1e6, f }'
   if [ "$size" -gt $((PART_MB * 1000000)) ]; then echo "  larger than PART_MB=$PART_MB" >&2; status=1; fi
 done
 echo "unpacked: $(du -sm "$site" | cut -f1) MB; flashinfer-python $FI07, nvidia-cutlass-dsl $CUTLASS_DSL (cu13, cp312)"
