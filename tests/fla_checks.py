@@ -98,6 +98,83 @@ def check_layer():
     print(f"layer OK: {report.summary()}")
 
 
+def _conv_standin(x, weight, bias=None, residual=None, initial_state=None, output_final_state=False,
+                  activation=None, **_):
+    """FLA's ``causal_conv1d_fwd`` in torch (its Triton kernels do not run on CPU): ``y[t] = act(bias + sum_j
+    weight[:, j] * x[t - W + 1 + j])``, zeros before the first token."""
+    assert residual is None and initial_state is None
+    W = weight.shape[1]
+    padded = F.pad(x, (0, 0, W - 1, 0))
+    y = sum(padded[:, j:j + x.shape[1]] * weight[:, j] for j in range(W))
+    y = y if bias is None else y + bias
+    y = F.silu(y) if activation in ("silu", "swish") else y
+    return y.contiguous(), (padded[:, -W:].mT.contiguous() if output_final_state else None)
+
+
+def _conv_bwd_standin(x, dy, dht, weight, bias=None, residual=None, initial_state=None, activation=None, **_):
+    """FLA's ``causal_conv1d_bwd`` as the gradient of :func:`_conv_standin` (recorded below the op's dispatch,
+    as ``dispatch._recording`` allows)."""
+    from qla_compile import dispatch
+
+    with dispatch._recording():
+        leaves = [t.detach().requires_grad_() for t in (x, weight) + ((bias,) if bias is not None else ())]
+        y, _ = _conv_standin(*leaves, activation=activation)
+        grads = torch.autograd.grad(y, leaves, dy)
+    return grads[0], grads[1], grads[2] if bias is not None else None, None, None
+
+
+def check_conv():
+    """FLA's layer with its short convolution, compiled with ``fullgraph=True``: FLA's ``torch.compiler.disable``-d
+    convolution leaves are our ``qla::`` ops in the graph (no graph break), and outputs and gradients equal a
+    torch oracle's (``F.conv1d``). On the CPU the leaves' bodies run torch stand-ins for FLA's Triton kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from qla_compile.integrations import fla_conv
+
+    fla_conv._leaf = {"causal_conv1d_fwd": _conv_standin, "causal_conv1d_bwd": _conv_bwd_standin}.get
+    from fla.layers import GatedDeltaNet
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(hidden_size=64, head_dim=16, num_heads=2, num_v_heads=4, expand_v=1.0, conv_bias=True)
+    layer.o_norm = TorchGatedRMSNorm(layer.o_norm)
+    added = qla_compile.register_substitutions(import_all=True)
+    assert f"{fla_conv.MODULE}.causal_conv1d_fwd" in added, added
+    x = torch.randn(2, 70, 64, generator=torch.Generator().manual_seed(3))
+    compiled = torch.compile(layer, backend=qla_compile.make_backend(inductor=False), fullgraph=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = compiled(x)[0]
+        grads = _grads(layer, out)
+    keys = {e.key for e in prof.key_averages()}
+    assert {"qla::fla_causal_conv1d_fwd", "qla::fla_causal_conv1d_bwd", "qla::chunk_gdr_fwd"} <= keys, keys
+
+    def conv(proj, module):
+        w = module.weight.shape[-1]
+        y = F.conv1d(proj(x).mT, module.weight, module.bias, padding=w - 1, groups=module.weight.shape[0])
+        return F.silu(y[..., :x.shape[1]].mT)
+
+    heads = lambda t, h: t.unflatten(-1, (h, -1))
+    q, k = (heads(conv(p, m), layer.num_heads) for p, m in ((layer.q_proj, layer.q_conv1d),
+                                                           (layer.k_proj, layer.k_conv1d)))
+    v = heads(conv(layer.v_proj, layer.v_conv1d), layer.num_v_heads)
+    o, _ = qla_compile.recurrent_gdr_reference(
+        q, k, v, layer.a_proj(x), layer.b_proj(x), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        A_log=layer.A_log, dt_bias=layer.dt_bias, use_beta_sigmoid_in_kernel=True, state_v_first=True,
+    )
+    ref = layer.o_proj(layer.o_norm(o.float(), heads(layer.g_proj(x), layer.num_v_heads)).flatten(-2))
+    assert rel_err(out, ref) < 1e-4, rel_err(out, ref)
+    ref_grads = _grads(layer, ref)
+    for name in ("q_conv1d.weight", "v_conv1d.bias", "k_proj.weight", "A_log", "o_proj.weight"):
+        assert grads[name].abs().sum() > 0, name
+        assert rel_err(grads[name], ref_grads[name]) < 1e-3, (name, rel_err(grads[name], ref_grads[name]))
+    # the ops' fake implementations against their bodies (schema, fake tensors, AOT), strided x as FLA's splits give
+    qkv = torch.randn(2, 9, 48)
+    x, w, b, dy = qkv[..., :16], torch.randn(16, 4), torch.randn(16), torch.randn(2, 9, 16)
+    for op, args in ((fla_conv.conv_fwd, (x, w, b, None, None, None, None, None, True, "silu", 64, False)),
+                     (fla_conv.conv_bwd, (x, dy, None, w, b, False, None, None, None, None, "silu", 64, False))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    print("conv OK")
+
+
 def check_registry():
     """Our backend is in FLA's registry ahead of FlashQLA whichever package is imported first, and importing
     qla_compile does not import FLA."""
@@ -185,4 +262,4 @@ def check_routing():
 
 if __name__ == "__main__":
     {"op": check_op, "layer": check_layer, "registry": check_registry, "verifier": check_verifier,
-     "fla_calls_our_op": check_fla_calls_our_op, "routing": check_routing}[sys.argv[1]]()
+     "fla_calls_our_op": check_fla_calls_our_op, "routing": check_routing, "conv": check_conv}[sys.argv[1]]()

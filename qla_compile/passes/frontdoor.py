@@ -20,6 +20,7 @@ break); otherwise the function's own body, unchanged (:func:`eager_body`).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import logging
 import sys
@@ -46,7 +47,8 @@ def _unwrap_chain(fn):
 
 
 def register_substitutions(import_all: bool = False) -> list[str]:
-    """Register dynamo substitutions for every known eager GDN implementation importable now.
+    """Register dynamo substitutions for every known eager GDN implementation importable now (and for FLA's
+    short-convolution leaves: :func:`_fla_convolution`).
 
     Args:
         import_all: also import every installed transformers modeling module that defines
@@ -73,9 +75,23 @@ def register_substitutions(import_all: bool = False) -> list[str]:
                 _take_code(fn, known.substitute)
                 _registered[id(fn)] = (fn, name)
                 added.append(name)
+        added += _fla_convolution(import_all)
     for name in added:
         log.info("qla_compile: dynamo substitution registered for %s", name)
     return added
+
+
+def _fla_convolution(import_all: bool) -> list[str]:
+    """FLA's short-convolution leaves as ``qla::`` ops while dynamo traces (``integrations.fla_conv``): not GDN,
+    but a graph break at every FLA GDN layer's convolution otherwise."""
+    from ..integrations import fla_conv
+
+    if import_all and fla_conv.MODULE not in sys.modules and importlib.util.find_spec("fla") is not None:
+        try:
+            importlib.import_module(fla_conv.MODULE)
+        except Exception as exc:  # noqa: BLE001  (an FLA that does not import here is no FLA)
+            log.debug("qla_compile: skipping %s: %s", fla_conv.MODULE, exc)
+    return fla_conv.register()
 
 
 def route(key: str, *args, **kwargs):

@@ -90,3 +90,33 @@ def test_fla_layer_trains_on_ours_as_closely_as_on_flas(monkeypatch):
     ref = run(torch.float32)  # fp32: our kernels decline it
     for name, a, b, r in zip(["out", "x.grad", *params], ours, theirs, ref):
         assert rel_err(a, r) <= max(2 * rel_err(b, r), 2e-3), (name, rel_err(a, r), rel_err(b, r))
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+def test_compiled_fla_layer_is_one_graph_with_flas_convolution():
+    """FLA's ``GatedDeltaNet`` under ``qla_compile.backend`` with ``fullgraph=True``, training mode: its short
+    convolution (``torch.compiler.disable``-d by FLA) runs as our ``qla::fla_causal_conv1d_*`` ops inside the
+    graph, on FLA's kernels, and the output and gradients equal the eager layer's (the same kernels eagerly)."""
+    layer = _layer(torch.bfloat16)
+    x = torch.randn(2, 700, 1024, device="cuda", dtype=torch.bfloat16)
+    params = ("q_conv1d.weight", "v_conv1d.weight", "A_log", "q_proj.weight", "o_proj.weight")
+
+    def run(fn):
+        layer.zero_grad(set_to_none=True)
+        xi = x.detach().requires_grad_()
+        out = fn(xi)[0]
+        out.float().square().mean().backward()
+        grads = dict(layer.named_parameters())
+        return [out, xi.grad, *(grads[n].grad.clone() for n in params)]
+
+    eager = run(layer)
+    qla_compile.register_substitutions(import_all=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=qla_compile.backend, fullgraph=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = run(compiled)
+        torch.cuda.synchronize()
+    keys = {e.key for e in prof.key_averages()}
+    assert {"qla::fla_causal_conv1d_fwd", "qla::fla_causal_conv1d_bwd", "qla::chunk_gdr_bwd"} <= keys, keys
+    for name, a, b in zip(["out", "x.grad", *params], got, eager):
+        assert rel_err(a, b) < 3e-2, (name, rel_err(a, b))  # Inductor and our Triton passes round apart
