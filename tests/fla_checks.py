@@ -2,11 +2,11 @@
 with ``.sidepkgs/fla`` importable (see ``legacy_sources.py``).  ``python fla_checks.py op|layer``.
 
 FLA's own kernels are Triton and do not run on CPU, so every result is checked against the float64 oracle
-``qla_compile.recurrent_gdr_reference`` fed the same inputs.  Of FLA's ``GatedDeltaNet`` layer, the short
-convolution (``ShortConvolution``/``causal_conv1d``: Triton behind ``torch.compiler.disable``) and the
-output norm (``FusedRMSNormGated``: Triton) cannot run on CPU: the layer is built with
-``use_short_conv=False`` and its ``o_norm`` swapped for the same gated RMSNorm in torch.  Everything else,
-including the ``chunk_gated_delta_rule`` call with all the layer's options, is FLA's code.
+``qla_compile.recurrent_gdr_reference`` fed the same inputs.  Of FLA's ``GatedDeltaNet`` layer, the output norm
+(``FusedRMSNormGated``: Triton) cannot run on CPU and is swapped for the same gated RMSNorm in torch; the short
+convolution's Triton leaves are replaced by torch stand-ins behind our ``qla::fla_causal_conv1d_*`` ops
+(``check_conv``), or the layer is built with ``use_short_conv=False``.  Everything else, including the
+``chunk_gated_delta_rule`` call with all the layer's options, is FLA's code.
 """
 import sys
 
