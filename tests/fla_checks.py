@@ -5,7 +5,7 @@ FLA's own kernels are Triton and do not run on CPU, so every result is checked a
 ``qla_compile.recurrent_gdr_reference`` fed the same inputs.  Of FLA's ``GatedDeltaNet`` layer, the output norm
 (``FusedRMSNormGated``: Triton) cannot run on CPU and is swapped for the same gated RMSNorm in torch; the short
 convolution's Triton leaves are replaced by torch stand-ins behind our ``qla::fla_causal_conv1d_*`` ops
-(``check_conv``), or the layer is built with ``use_short_conv=False``.  Everything else, including the
+(``check_leaves``), or the layer is built with ``use_short_conv=False``.  Everything else, including the
 ``chunk_gated_delta_rule`` call with all the layer's options, is FLA's code.
 """
 import sys
@@ -123,29 +123,58 @@ def _conv_bwd_standin(x, dy, dht, weight, bias=None, residual=None, initial_stat
     return grads[0], grads[1], grads[2] if bias is not None else None, None, None
 
 
-def check_conv():
-    """FLA's layer with its short convolution, compiled with ``fullgraph=True``: FLA's ``torch.compiler.disable``-d
-    convolution leaves are our ``qla::`` ops in the graph (no graph break), and outputs and gradients equal a
-    torch oracle's (``F.conv1d``). On the CPU the leaves' bodies run torch stand-ins for FLA's Triton kernels."""
+def _norm_standin(x, g, weight, bias, activation="swish", eps=1e-5, residual=None, out_dtype=None,
+                  residual_dtype=None, is_rms_norm=False):
+    """FLA's ``layer_norm_gated_fwd`` (RMS norm, swish gate, no residual) in torch: ``(y, None, rstd, x)``."""
+    assert is_rms_norm and residual is None and residual_dtype is None and activation in ("swish", "silu")
+    rstd = torch.rsqrt(x.float().square().mean(-1) + eps)
+    y = x.float() * rstd[:, None] * weight
+    y = (y if bias is None else y + bias) * F.silu(g.float())
+    return y.to(x.dtype if out_dtype is None else out_dtype), None, rstd, x
+
+
+def _norm_bwd_standin(dy, x, g, weight, bias, activation="swish", eps=1e-5, mean=None, rstd=None, dresidual=None,
+                      has_residual=False, is_rms_norm=False, x_dtype=None, recompute_output=False):
+    """FLA's ``layer_norm_gated_bwd`` as the gradient of :func:`_norm_standin`."""
+    from qla_compile import dispatch
+
+    assert not has_residual and dresidual is None and not recompute_output
+    with dispatch._recording():
+        leaves = [t.detach().requires_grad_() for t in (x, g, weight) + ((bias,) if bias is not None else ())]
+        y = _norm_standin(*leaves[:3], leaves[3] if bias is not None else None, activation, eps, is_rms_norm=True)[0]
+        grads = torch.autograd.grad(y, leaves, dy)
+    return grads[0], grads[1], grads[2], grads[3] if bias is not None else None, None
+
+
+def check_leaves():
+    """FLA's layer with its short convolution and gated output norm, compiled with ``fullgraph=True``: FLA's
+    ``torch.compiler.disable``-d leaves of both are our ``qla::`` ops in the graph (no graph break), and outputs and
+    gradients equal a torch oracle's (``F.conv1d``, the RMS norm written out). On the CPU the leaves' bodies run
+    torch stand-ins for FLA's Triton kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    from qla_compile.integrations import fla_conv
+    from qla_compile.integrations import fla_leaves
 
-    fla_conv._leaf = {"causal_conv1d_fwd": _conv_standin, "causal_conv1d_bwd": _conv_bwd_standin}.get
+    fla_leaves._leaf = {"causal_conv1d_fwd": _conv_standin, "causal_conv1d_bwd": _conv_bwd_standin,
+                        "layer_norm_gated_fwd": _norm_standin, "layer_norm_gated_bwd": _norm_bwd_standin}.get
     from fla.layers import GatedDeltaNet
 
     torch.manual_seed(0)
     layer = GatedDeltaNet(hidden_size=64, head_dim=16, num_heads=2, num_v_heads=4, expand_v=1.0, conv_bias=True)
-    layer.o_norm = TorchGatedRMSNorm(layer.o_norm)
     added = qla_compile.register_substitutions(import_all=True)
-    assert f"{fla_conv.MODULE}.causal_conv1d_fwd" in added, added
+    for leaf in ("causal_conv1d_fwd", "causal_conv1d_bwd"):
+        assert f"{fla_leaves.CONV}.{leaf}" in added, added
+    for leaf in ("layer_norm_gated_fwd", "layer_norm_gated_bwd"):
+        assert f"{fla_leaves.NORM}.{leaf}" in added, added
     x = torch.randn(2, 70, 64, generator=torch.Generator().manual_seed(3))
     compiled = torch.compile(layer, backend=qla_compile.make_backend(inductor=False), fullgraph=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         out = compiled(x)[0]
         grads = _grads(layer, out)
     keys = {e.key for e in prof.key_averages()}
-    assert {"qla::fla_causal_conv1d_fwd", "qla::fla_causal_conv1d_bwd", "qla::chunk_gdr_fwd"} <= keys, keys
+    ours = {"qla::fla_causal_conv1d_fwd", "qla::fla_causal_conv1d_bwd", "qla::fla_layer_norm_gated_fwd",
+            "qla::fla_layer_norm_gated_bwd", "qla::chunk_gdr_fwd"}
+    assert ours <= keys, ours - keys
 
     def conv(proj, module):
         w = module.weight.shape[-1]
@@ -160,19 +189,23 @@ def check_conv():
         q, k, v, layer.a_proj(x), layer.b_proj(x), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
         A_log=layer.A_log, dt_bias=layer.dt_bias, use_beta_sigmoid_in_kernel=True, state_v_first=True,
     )
-    ref = layer.o_proj(layer.o_norm(o.float(), heads(layer.g_proj(x), layer.num_v_heads)).flatten(-2))
+    ref = layer.o_proj(TorchGatedRMSNorm(layer.o_norm)(o, heads(layer.g_proj(x), layer.num_v_heads)).flatten(-2))
     assert rel_err(out, ref) < 1e-4, rel_err(out, ref)
     ref_grads = _grads(layer, ref)
-    for name in ("q_conv1d.weight", "v_conv1d.bias", "k_proj.weight", "A_log", "o_proj.weight"):
+    for name in ("q_conv1d.weight", "v_conv1d.bias", "k_proj.weight", "A_log", "o_norm.weight", "o_proj.weight"):
         assert grads[name].abs().sum() > 0, name
         assert rel_err(grads[name], ref_grads[name]) < 1e-3, (name, rel_err(grads[name], ref_grads[name]))
     # the ops' fake implementations against their bodies (schema, fake tensors, AOT), strided x as FLA's splits give
     qkv = torch.randn(2, 9, 48)
     x, w, b, dy = qkv[..., :16], torch.randn(16, 4), torch.randn(16), torch.randn(2, 9, 16)
-    for op, args in ((fla_conv.conv_fwd, (x, w, b, None, None, None, None, None, True, "silu", 64, False)),
-                     (fla_conv.conv_bwd, (x, dy, None, w, b, False, None, None, None, None, "silu", 64, False))):
+    t, g, nw, rstd = torch.randn(18, 16), torch.randn(18, 16), torch.randn(16), torch.rand(18)
+    for op, args in ((fla_leaves.conv_fwd, (x, w, b, None, None, None, None, None, True, "silu", 64, False)),
+                     (fla_leaves.conv_bwd, (x, dy, None, w, b, False, None, None, None, None, "silu", 64, False)),
+                     (fla_leaves.norm_fwd, (t, g, nw, None, "swish", 1e-5, None, None, None, True)),
+                     (fla_leaves.norm_bwd, (t, t, g, nw, None, "swish", 1e-5, None, rstd, None, False, True,
+                                            torch.float32, False))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
-    print("conv OK")
+    print("leaves OK")
 
 
 def check_registry():
@@ -262,4 +295,4 @@ def check_routing():
 
 if __name__ == "__main__":
     {"op": check_op, "layer": check_layer, "registry": check_registry, "verifier": check_verifier,
-     "fla_calls_our_op": check_fla_calls_our_op, "routing": check_routing, "conv": check_conv}[sys.argv[1]]()
+     "fla_calls_our_op": check_fla_calls_our_op, "routing": check_routing, "leaves": check_leaves}[sys.argv[1]]()

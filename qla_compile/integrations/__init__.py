@@ -1,3 +1,3 @@
 """Entry points into other libraries, each optional and imported only with its library: ``fla`` (FLA's backend
-registry, eager calls), ``fla_conv`` (FLA's short convolution as ``qla::`` ops while dynamo traces: no graph
+registry, eager calls), ``fla_leaves`` (FLA's short convolution as ``qla::`` ops while dynamo traces: no graph
 break there) and ``transformers`` (a reversible rebinding of its eager GDN functions)."""

@@ -48,7 +48,7 @@ def _unwrap_chain(fn):
 
 def register_substitutions(import_all: bool = False) -> list[str]:
     """Register dynamo substitutions for every known eager GDN implementation importable now (and for FLA's
-    short-convolution leaves: :func:`_fla_convolution`).
+    layer leaves: :func:`_fla_leaves`).
 
     Args:
         import_all: also import every installed transformers modeling module that defines
@@ -75,23 +75,24 @@ def register_substitutions(import_all: bool = False) -> list[str]:
                 _take_code(fn, known.substitute)
                 _registered[id(fn)] = (fn, name)
                 added.append(name)
-        added += _fla_convolution(import_all)
+        added += _fla_leaves(import_all)
     for name in added:
         log.info("qla_compile: dynamo substitution registered for %s", name)
     return added
 
 
-def _fla_convolution(import_all: bool) -> list[str]:
-    """FLA's short-convolution leaves as ``qla::`` ops while dynamo traces (``integrations.fla_conv``): not GDN,
-    but a graph break at every FLA GDN layer's convolution otherwise."""
-    from ..integrations import fla_conv
+def _fla_leaves(import_all: bool) -> list[str]:
+    """FLA's layer leaves (short convolution, gated norm) as ``qla::`` ops while dynamo traces
+    (``integrations.fla_leaves``): not GDN, but a graph break at each FLA GDN layer's convolution and norm
+    otherwise."""
+    from ..integrations import fla_leaves
 
-    if import_all and fla_conv.MODULE not in sys.modules and importlib.util.find_spec("fla") is not None:
+    for name in fla_leaves.MODULES if import_all and importlib.util.find_spec("fla") is not None else ():
         try:
-            importlib.import_module(fla_conv.MODULE)
+            importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001  (an FLA that does not import here is no FLA)
-            log.debug("qla_compile: skipping %s: %s", fla_conv.MODULE, exc)
-    return fla_conv.register()
+            log.debug("qla_compile: skipping %s: %s", name, exc)
+    return fla_leaves.register()
 
 
 def route(key: str, *args, **kwargs):
