@@ -93,13 +93,13 @@ def test_fla_layer_trains_on_ours_as_closely_as_on_flas(monkeypatch):
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
-def test_compiled_fla_layer_is_one_graph_with_flas_convolution():
+def test_compiled_fla_layer_is_one_graph_with_flas_leaves():
     """FLA's ``GatedDeltaNet`` under ``qla_compile.backend`` with ``fullgraph=True``, training mode: its short
-    convolution (``torch.compiler.disable``-d by FLA) runs as our ``qla::fla_causal_conv1d_*`` ops inside the
+    convolution and gated norm (``torch.compiler.disable``-d by FLA) run as our ``qla::fla_*`` ops inside the
     graph, on FLA's kernels, and the output and gradients equal the eager layer's (the same kernels eagerly)."""
     layer = _layer(torch.bfloat16)
     x = torch.randn(2, 700, 1024, device="cuda", dtype=torch.bfloat16)
-    params = ("q_conv1d.weight", "v_conv1d.weight", "A_log", "q_proj.weight", "o_proj.weight")
+    params = ("q_conv1d.weight", "v_conv1d.weight", "A_log", "q_proj.weight", "o_norm.weight", "o_proj.weight")
 
     def run(fn):
         layer.zero_grad(set_to_none=True)
@@ -117,6 +117,8 @@ def test_compiled_fla_layer_is_one_graph_with_flas_convolution():
         got = run(compiled)
         torch.cuda.synchronize()
     keys = {e.key for e in prof.key_averages()}
-    assert {"qla::fla_causal_conv1d_fwd", "qla::fla_causal_conv1d_bwd", "qla::chunk_gdr_bwd"} <= keys, keys
+    ours = {"qla::fla_causal_conv1d_fwd", "qla::fla_causal_conv1d_bwd", "qla::fla_layer_norm_gated_fwd",
+            "qla::fla_layer_norm_gated_bwd", "qla::chunk_gdr_bwd"}
+    assert ours <= keys, ours - keys
     for name, a, b in zip(["out", "x.grad", *params], got, eager):
         assert rel_err(a, b) < 3e-2, (name, rel_err(a, b))  # Inductor and our Triton passes round apart
