@@ -1,5 +1,8 @@
-"""Eager integrations on the CPU: the route to FLA's op for calls our kernels do not serve, and the reversible
-rebinding of transformers' eager GDN functions (FLA's backend registry: ``test_fla.py``)."""
+"""Integrations on the CPU: the route to FLA's op for calls our kernels do not serve, the reversible rebinding of
+transformers' eager GDN functions, and which FLA leaves become ops while tracing (FLA's backend registry and the
+leaves in a compiled FLA layer: ``test_fla.py``)."""
+import logging
+import sys
 import types
 
 import pytest
@@ -71,3 +74,24 @@ def test_transformers_functions_rebound_to_our_op_and_back():
     assert m.torch_chunk_gated_delta_rule is original
     again, ours = _tiny_model_logits(model, ids)
     assert not ours and torch.equal(again, eager)
+
+
+def test_fla_leaves_only_where_the_signature_is_known(monkeypatch, caplog):
+    """FLA's leaves become ``qla::`` ops only where their parameters are those the ops mirror (another FLA version
+    keeps its graph break, with a warning), and ``QLA_FLA_LEAVES=0`` registers none."""
+    from qla_compile.integrations import fla_leaves
+
+    conv = types.ModuleType(fla_leaves.CONV)
+    conv.causal_conv1d_fwd = lambda x, weight, bias, residual, initial_state=None, output_final_state=False, \
+        activation=None, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, chunk_size=64, \
+        layout_fallback=False: None
+    conv.causal_conv1d_bwd = lambda x, dy, dht, weight=None, bias=None, residual=None, initial_state=None, \
+        activation=None, cu_seqlens=None, seq_idx=None: None  # not the parameters of FLA 0.6
+    monkeypatch.setitem(sys.modules, fla_leaves.CONV, conv)
+    monkeypatch.setenv("QLA_FLA_LEAVES", "0")
+    assert fla_leaves.register() == []
+    monkeypatch.delenv("QLA_FLA_LEAVES")
+    with caplog.at_level(logging.WARNING, logger=fla_leaves.__name__):
+        assert fla_leaves.register() == [f"{fla_leaves.CONV}.causal_conv1d_fwd"]
+    assert "causal_conv1d_bwd takes" in caplog.text and "graph break under torch.compile stays" in caplog.text
+    assert fla_leaves.register() == []  # once

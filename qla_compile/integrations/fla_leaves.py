@@ -16,6 +16,7 @@ its ``dresidual_in`` = dx) is returned so by the substitute, outside the op. ``Q
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -224,6 +225,11 @@ _SUBSTITUTES = {
 }
 
 
+def _parameters(fn) -> list[str]:
+    """``fn``'s named parameters (through ``__wrapped__``; not ``**kwargs``)."""
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind != p.VAR_KEYWORD]
+
+
 def register() -> list[str]:
     """Substitute FLA's leaves while dynamo traces, for each of :data:`MODULES` imported (and ``QLA_FLA_LEAVES``
     not ``0``); idempotent. Returns the names registered by this call."""
@@ -235,6 +241,11 @@ def register() -> list[str]:
         for name, substitute in substitutes if module is not None else ():
             original = getattr(module, name, None)
             if original is None or id(original) in _registered:
+                continue
+            if _parameters(original) != _parameters(substitute):  # another FLA than the one these ops mirror
+                log.warning("qla_compile: FLA's %s.%s takes %s, not the parameters qla_compile knows; its graph "
+                            "break under torch.compile stays", module_name, name, _parameters(original))
+                _registered.add(id(original))
                 continue
             torch.compiler.substitute_in_graph(original, skip_signature_check=True)(substitute)
             _registered.add(id(original))
