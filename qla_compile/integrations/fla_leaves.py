@@ -27,7 +27,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 CONV, NORM = "fla.modules.causal_conv1d.ops", "fla.modules.norm.fused_norm_gate"
 MODULES = (CONV, NORM)
-_registered: set[int] = set()
+_registered: dict[int, str] = {}  # id(FLA's function) -> its name, or "" where its parameters were not ours
 
 
 def _leaf(name: str):
@@ -245,11 +245,16 @@ def register() -> list[str]:
             if _parameters(original) != _parameters(substitute):  # another FLA than the one these ops mirror
                 log.warning("qla_compile: FLA's %s.%s takes %s, not the parameters qla_compile knows; its graph "
                             "break under torch.compile stays", module_name, name, _parameters(original))
-                _registered.add(id(original))
+                _registered[id(original)] = ""
                 continue
             torch.compiler.substitute_in_graph(original, skip_signature_check=True)(substitute)
-            _registered.add(id(original))
-            added.append(f"{module_name}.{name}")
+            _registered[id(original)] = f"{module_name}.{name}"
+            added.append(_registered[id(original)])
             log.info("qla_compile: dynamo substitution registered for %s.%s (no graph break there)", module_name,
                      name)
     return added
+
+
+def registered() -> list[str]:
+    """Names of FLA's leaves substituted so far."""
+    return [name for name in _registered.values() if name]

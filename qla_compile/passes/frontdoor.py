@@ -147,8 +147,11 @@ def refresh() -> None:
 
 
 def registered() -> list[str]:
-    """Names of the functions substituted so far (one entry per registered object)."""
-    return [name for _, name in _registered.values()]
+    """Names of the functions substituted so far (one entry per registered object), FLA's layer leaves
+    (``integrations.fla_leaves``) among them."""
+    from ..integrations import fla_leaves
+
+    return [name for _, name in _registered.values()] + fla_leaves.registered()
 
 
 def is_substituted(fn) -> bool:
