@@ -12,7 +12,7 @@ counted while compiling (``qla-compiled``), the median ms of the same step
 replayed as one CUDA graph (``graph_ms``: the GPU's time without Python and launch overhead; ``None`` where
 capture fails, with the reason in the log), and the relative L2 of the output against the ``fla`` path.
 
-    python bench/bench_layer.py --out $OUT [--layers ...] [--lengths 8192,32768] [--ops fwd,fwd+bwd]
+    python bench/bench_layer.py --out $OUT [--layers ...] [--lengths 8192,32768] [--ops fwd,fwd+bwd] [--paths ...]
 """
 
 import argparse
@@ -97,6 +97,7 @@ def main():
     ap.add_argument("--layers", default=",".join(LAYERS))
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--ops", default="fwd,fwd+bwd")
+    ap.add_argument("--paths", default=",".join(PATHS), help="fla (always, the baseline), qla-eager, qla-compiled")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
@@ -112,7 +113,7 @@ def main():
                             generator=torch.Generator("cuda").manual_seed(T))
             for op in args.ops.split(","):
                 ref = None
-                for path in PATHS:
+                for path in [p for p in PATHS if p == "fla" or p in args.paths.split(",")]:
                     os.environ["FLA_QLA_COMPILE"] = "0" if path == "fla" else "1"
                     torch._dynamo.reset()
                     fn = torch.compile(layer, backend=qla_compile.backend) if path == "qla-compiled" else layer
