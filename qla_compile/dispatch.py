@@ -17,6 +17,7 @@ import collections
 import contextlib
 import functools
 import importlib.util
+import inspect
 import logging
 import os
 
@@ -108,16 +109,22 @@ def _state_to_kv(state, opts: GDROptions):
     return (state.mT if opts.state_v_first else state).contiguous()
 
 
-def aux_like(q, k, v, cu_seqlens):
-    """Uninitialised tensors shaped like the forward's aux ``(tt, gb)``: the Hopper forward's T~ (fp16
-    ``[n_slots, H_v, 64, 64]``) and [gamma; beta] (fp32 ``[n_slots, H_v, 2, 64]``) with
-    ``n_slots = B*T // 64 + N``, flattened to 1-D (a dimension that may be 1, like n_slots, would cost a
-    torch.compile guard and a recompile); no elements on the other paths, whose backward recomputes."""
-    rows = 0
-    if choose(q, k, v)[0] == "hopper":
+def aux_like(q, k, v, cu_seqlens, opts: GDROptions | None = None, for_backward: bool = False):
+    """Uninitialised tensors shaped like the forward's aux ``(tt, gb)``, flattened to 1-D (a dimension that may
+    be 1 would cost a torch.compile guard and a recompile):
+
+    - Hopper: the forward's T~ (fp16 ``[n_slots, H_v, 64, 64]``) and [gamma; beta] (fp32
+      ``[n_slots, H_v, 2, 64]``) with ``n_slots = B*T // 64 + N``;
+    - FLA's kernels, for a backward (:func:`_keeps_fla_aux`): FLA's A (``[B, T, H_v, 64]`` in k's dtype) and
+      its chunk-local gate cumsum (fp32 ``[B, T, H_v]``), which FLA's backward takes;
+    - else none: the backward recomputes."""
+    impl = choose(q, k, v)[0]
+    if impl == "hopper":
         n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         rows = (q.shape[0] * q.shape[1] // CHUNK + n_seq) * v.shape[2] * CHUNK
-    return v.new_empty(rows * CHUNK, dtype=torch.float16), v.new_empty(rows * 2, dtype=torch.float32)
+        return v.new_empty(rows * CHUNK, dtype=torch.float16), v.new_empty(rows * 2, dtype=torch.float32)
+    n = q.shape[0] * q.shape[1] * v.shape[2] if impl == "fla" and _keeps_fla_aux(opts, for_backward) else 0
+    return k.new_empty(n * CHUNK), v.new_empty(n, dtype=torch.float32)
 
 
 def cp_cache_like(q, k, v, cu_seqlens, for_backward: bool):
@@ -137,6 +144,9 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: G
     :func:`cp_cache_like`, filled when the forward split; empty when ``for_backward`` is false, which also
     picks the forward-only splitting rule)."""
     impl = select(q, k, v)
+    if impl == "fla" and _keeps_fla_aux(opts, for_backward):
+        return (*_fla_leaf_forward(q, k, v, g, beta, initial_state, cu_seqlens, opts),
+                q.new_empty(0, dtype=torch.float32))
     if impl != "hopper":
         run = _fla_forward if impl == "fla" else chunk_gdr_fwd_reference
         o, ht = run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
@@ -152,6 +162,8 @@ def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
     """Every input gradient; ``aux``: the forward's flat ``(tt, gb, cp_cache)``, used on the Hopper path (None
     there recomputes them)."""
     impl = select(q, k, v)
+    if impl == "fla" and aux is not None and aux[0].numel():
+        return _fla_leaf_backward(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, opts, aux)
     if impl != "hopper":
         run = _fla_backward if impl == "fla" else chunk_gdr_bwd_reference
         return run(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
@@ -192,6 +204,62 @@ def _activated(q, k, g, beta, A_log, dt_bias, opts: GDROptions):
     if opts.use_qk_l2norm_in_kernel:
         q, k = norm(q), norm(k)
     return (q, k, *gates(g, beta, A_log, dt_bias, opts), acts)
+
+
+@functools.cache
+def fla_leaves():
+    """``(forward, backward)``: FLA's ``chunk_gated_delta_rule_fwd`` / ``_bwd``, what its autograd function calls
+    between the input activations and the output, where FLA has them with the parameters called here; else None
+    (logged once: such calls recompute FLA's forward in their backward)."""
+    if fla_op() is None:
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk as module
+    except Exception:  # noqa: BLE001
+        module = None
+    fns = tuple(getattr(module, f"chunk_gated_delta_rule_{d}", None) for d in ("fwd", "bwd"))
+    if None in fns or not all(_FLA_LEAF_PARAMS[d] <= set(inspect.signature(fn).parameters)
+                              for d, fn in zip(("fwd", "bwd"), fns)):
+        log.warning("qla_compile: this FLA has no chunk_gated_delta_rule_fwd/_bwd as qla_compile knows them; "
+                    "compiled calls on FLA's kernels run its forward again in their backward")
+        return None
+    return fns
+
+
+_FLA_LEAF_PARAMS = {
+    "fwd": {"q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "state_v_first", "cu_seqlens"},
+    "bwd": {"q", "k", "v", "g", "beta", "A", "scale", "initial_state", "do", "dht", "state_v_first", "cu_seqlens"},
+}
+
+
+def _keeps_fla_aux(opts: GDROptions | None, for_backward: bool) -> bool:
+    """Whether a call on FLA's kernels keeps FLA's own aux for its backward (:func:`fla_leaves`): one a backward
+    follows, with the input activations outside the op (as traced calls have them), so that FLA's leaves take
+    exactly its inputs."""
+    plain = opts is not None and not (opts.use_qk_l2norm_in_kernel or opts.use_gate_in_kernel
+                                      or opts.use_beta_sigmoid_in_kernel)
+    return for_backward and plain and fla_leaves() is not None
+
+
+def _fla_leaf_forward(q, k, v, g, beta, initial_state, cu_seqlens, opts: GDROptions):
+    """``(o, final_state, A, g_cumsum)`` from FLA's forward leaf, its A and gate cumsum flat (the aux)."""
+    g_cumsum, o, A, ht, *_ = fla_leaves()[0](
+        q=q, k=k, v=v, g=g, beta=beta, scale=opts.scale, initial_state=initial_state, output_final_state=True,
+        state_v_first=opts.state_v_first, cu_seqlens=cu_seqlens,
+    )
+    return o.to(v.dtype), ht.float(), A.to(k.dtype).reshape(-1), g_cumsum.float().reshape(-1)
+
+
+def _fla_leaf_backward(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, opts: GDROptions, aux):
+    """Every input gradient from FLA's backward leaf, given the forward's aux (:func:`_fla_leaf_forward`)."""
+    shape = v.shape[:3]
+    dq, dk, dv, db, dg, dh0, *_ = fla_leaves()[1](
+        q=q, k=k, v=v, g=aux[1].view(shape), beta=beta, A=aux[0].view(*shape, CHUNK), scale=opts.scale,
+        initial_state=initial_state, do=do.to(v.dtype), dht=dht, state_v_first=opts.state_v_first,
+        cu_seqlens=cu_seqlens,
+    )
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype), None, None,
+            None if dh0 is None else dh0.to(initial_state.dtype))
 
 
 def _fla_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions):

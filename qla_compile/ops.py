@@ -45,7 +45,9 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, use_qk
       use_beta_sigmoid, allow_neg_eigval, state_v_first, for_backward=True):
     ht = v.new_empty(_state_shape(v, k, cu_seqlens, state_v_first), dtype=torch.float32)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
-    return o, ht, *dispatch.aux_like(q, k, v, cu_seqlens), dispatch.cp_cache_like(q, k, v, cu_seqlens, for_backward)
+    opts = GDROptions(scale, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, state_v_first)
+    return (o, ht, *dispatch.aux_like(q, k, v, cu_seqlens, opts, for_backward),
+            dispatch.cp_cache_like(q, k, v, cu_seqlens, for_backward))
 
 
 @torch.library.custom_op("qla::chunk_gdr_bwd", mutates_args=())

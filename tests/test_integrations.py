@@ -41,6 +41,42 @@ def test_fla_route_gives_the_reference_values(compiled, monkeypatch):
         assert rel_err(grads[name], g_ref[name]) < 1e-3, name
 
 
+def test_compiled_fla_route_keeps_flas_aux_for_its_backward(monkeypatch):
+    """A compiled training call on FLA's kernels runs FLA's forward once: its forward leaf's A and gate cumsum go
+    to its backward leaf as they came (the reference stands in for both leaves), with the reference's values."""
+    from qla_compile.reference import GDROptions, chunk_gdr_bwd_reference, chunk_gdr_fwd_reference
+
+    kw = make_inputs(T=90, H=2, HV=4, K=16, V=16, l2norm=True, gate_in_kernel=True, beta_sigmoid=True,
+                     initial_state=True, state_v_first=True, cu_seqlens=[0, 40, 90], seed=5)
+    o_ref, st_ref, g_ref = _run(kw)
+    calls = []
+
+    def fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens):
+        opts = GDROptions(scale, state_v_first=state_v_first)
+        o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, None, None, initial_state, cu_seqlens, opts)
+        A, g_cumsum = torch.randn(*v.shape[:3], 64).to(k.dtype), g.float().cumsum(1)  # FLA's aux, as it shapes it
+        calls.append(("fwd", A, g_cumsum))
+        return g_cumsum, o, A, ht, initial_state, None
+
+    def bwd(q, k, v, g, beta, A, scale, initial_state, do, dht, state_v_first, cu_seqlens):
+        assert calls[-1][0] == "fwd" and torch.equal(A, calls[-1][1]) and torch.equal(g, calls[-1][2])
+        calls.append(("bwd",))
+        raw = torch.diff(g, dim=1, prepend=torch.zeros_like(g[:, :1]))
+        dq, dk, dv, dg, db, _, _, dh0 = chunk_gdr_bwd_reference(
+            do, dht, q, k, v, raw, beta, None, None, initial_state, cu_seqlens,
+            GDROptions(scale, state_v_first=state_v_first))
+        return dq, dk, dv, db, dg, dh0, None, None
+
+    monkeypatch.setattr(dispatch, "choose", lambda q, k, v: ("fla", "FLA stands in"))
+    monkeypatch.setattr(dispatch, "fla_leaves", lambda: (fwd, bwd))
+    torch._dynamo.reset()
+    o, st, grads = _run(kw, torch.compile(qla_compile.chunk_gated_delta_rule, backend="aot_eager", fullgraph=True))
+    assert [c[0] for c in calls] == ["fwd", "bwd"]
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(st, st_ref) < 1e-4
+    for name in g_ref:
+        assert rel_err(grads[name], g_ref[name]) < 1e-3, name
+
+
 def test_a_gpu_call_without_our_kernels_or_fla_runs_the_reference(monkeypatch):
     on_gpu = types.SimpleNamespace(device=torch.device("cuda"))
     monkeypatch.setattr(dispatch, "_kernels", lambda: types.SimpleNamespace(unsupported=lambda q, k, v: "K = 256"))

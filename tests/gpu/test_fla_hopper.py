@@ -122,3 +122,35 @@ def test_compiled_fla_layer_is_one_graph_with_flas_leaves():
     assert ours <= keys, ours - keys
     for name, a, b in zip(["out", "x.grad", *params], got, eager):
         assert rel_err(a, b) < 3e-2, (name, rel_err(a, b))  # Inductor and our Triton passes round apart
+
+
+def test_compiled_call_on_flas_kernels_runs_its_forward_once(monkeypatch):
+    """A compiled training call our kernels do not take (K = V = 64) runs on FLA's kernels with FLA's forward
+    once: its forward leaf's aux goes to its backward leaf (no recompute), and the outputs and gradients equal
+    FLA's own op's, eagerly."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from qla_compile import dispatch
+
+    kw = make_inputs(T=600, H=2, HV=4, K=64, V=64, cu_seqlens=[0, 250, 600], initial_state=True, l2norm=True,
+                     gate_in_kernel=True, beta_sigmoid=True, dtype=torch.bfloat16, device="cuda", seed=6)
+    kw["cu_seqlens"] = kw["cu_seqlens"].to(torch.int32)
+    names = [n for n in LEAVES if n in kw]
+
+    def run(fn):
+        leaves = {n: (x.detach().requires_grad_() if n in names else x) for n, x in kw.items()}
+        o, ht = fn(**leaves, output_final_state=True)
+        (o.float().square().sum() + ht.float().sin().sum()).backward()
+        return [o, ht, *(leaves[n].grad for n in names)]
+
+    real = dispatch.fla_leaves()
+    assert real is not None
+    calls = []
+    counted = tuple(lambda *a, _f=f, _d=d, **k: (calls.append(_d), _f(*a, **k))[1] for f, d in zip(real, "fb"))
+    monkeypatch.setattr(dispatch, "fla_leaves", lambda: counted)
+    theirs = run(chunk_gated_delta_rule)
+    torch._dynamo.reset()
+    ours = run(torch.compile(qla_compile.chunk_gated_delta_rule, backend=qla_compile.backend, fullgraph=True))
+    assert calls == ["f", "b"], calls
+    for name, a, b in zip(["o", "final_state", *names], ours, theirs):
+        assert rel_err(a, b) < 2e-2, (name, rel_err(a, b))  # our graph's activations vs FLA's fused ones
