@@ -278,8 +278,9 @@ def _fla_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, op
 
 
 def _fla_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions):
-    """Every input gradient through FLA's own backward, its forward run again under autograd (the forward keeps
-    nothing of FLA's for it)."""
+    """Every input gradient through FLA's own backward, its forward run again under autograd: for calls whose
+    forward kept no aux of FLA's (:func:`_keeps_fla_aux`: eager calls with the activations inside the op, or an
+    FLA without the leaves)."""
     inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     with _recording():
         leaves = [None if x is None else x.detach().requires_grad_() for x in inputs]
