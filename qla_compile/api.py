@@ -73,7 +73,8 @@ def chunk_gated_delta_rule(
 
 def op_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions, for_backward: bool,
             lift: bool):
-    """``(o, final_state)`` of one ``qla::chunk_gdr_fwd`` call.
+    """``(o, final_state)`` of one ``qla::chunk_gdr_fwd`` call (eagerly: of the same forward and backward without
+    the op's dispatch, ``ops.EagerChunkGDR``).
 
     With ``lift`` (a graph is being traced) the L2 norm of q/k, the gate activation, beta's sigmoid and the
     contiguous copies run as torch ops of the traced graph rather than inside the op: Inductor fuses them into
@@ -86,7 +87,8 @@ def op_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: G
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         A_log = dt_bias = None
         opts = GDROptions(opts.scale, state_v_first=opts.state_v_first)
-    o, final_state, *_ = ops.chunk_gdr_fwd(
+    op = ops.chunk_gdr_fwd if lift else ops.EagerChunkGDR.apply
+    o, final_state, *_ = op(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts.scale, opts.use_qk_l2norm_in_kernel,
         opts.use_gate_in_kernel, opts.use_beta_sigmoid_in_kernel, opts.allow_neg_eigval, opts.state_v_first,
         for_backward,

@@ -97,3 +97,26 @@ def _backward(ctx, do, dht, _dtt, _dgb, _dcp):
 
 
 chunk_gdr_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class EagerChunkGDR(torch.autograd.Function):
+    """``qla::chunk_gdr_fwd`` and its backward for eager calls, without the custom-op dispatch around them:
+    the same forward, saved tensors and backward (``dispatch``), about 60 us less host time per forward on a CPU
+    core (an eager layer at batch 1 waits on its host). Profiled under the ops' names. Traced calls keep the ops
+    (``api.op_call``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags):
+        with torch.profiler.record_function("qla::chunk_gdr_fwd"):
+            output = dispatch.forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                                      GDROptions(*flags[:_N_FLAGS]), flags[_N_FLAGS])
+        _setup_context(ctx, (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, do, dht, _dtt, _dgb, _dcp):
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, tt, gb, cp_cache = ctx.saved_tensors
+        with torch.profiler.record_function("qla::chunk_gdr_bwd"):
+            grads = dispatch.backward(torch.zeros_like(v) if do is None else do, dht, q, k, v, g, beta, A_log,
+                                      dt_bias, initial_state, cu_seqlens, GDROptions(*ctx.flags), (tt, gb, cp_cache))
+        return (*grads, None, *(None,) * (_N_FLAGS + 1))  # cu_seqlens, the flags, for_backward
