@@ -258,8 +258,8 @@ def _fla_leaf_backward(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, opt
         initial_state=initial_state, do=do.to(v.dtype), dht=dht, state_v_first=opts.state_v_first,
         cu_seqlens=cu_seqlens,
     )
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype), None, None,
-            None if dh0 is None else dh0.to(initial_state.dtype))
+    dh0 = None if dh0 is None else dh0.to(initial_state.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype), None, None, dh0
 
 
 def _fla_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions):

@@ -2,17 +2,20 @@
 
 ``qla::chunk_gdr_fwd`` returns ``(o, final_state, tt, gb, cp_cache)``; the final state is always produced (fp32)
 and the public function drops it when it was not asked for.  ``tt, gb`` are the Hopper forward's gate-free
-inverse T~ and per-chunk [gamma; beta], or on FLA's kernels FLA's A and gate cumsum (for a traced call a
-backward follows), flat and not differentiable (``dispatch.aux_like``; else empty); ``cp_cache`` holds the context-parallel pieces' initial states and transitions when the Hopper
-forward split its sequences and its last argument ``for_backward`` says a backward will follow (the public
-function passes whether autograd will differentiate the call); its length is a bound known from shapes
-(``dispatch.cp_cache_like``), so no output of either op has a data-dependent size.
+inverse T~ and per-chunk [gamma; beta], or on FLA's kernels FLA's A and gate cumsum (for a traced call that a
+backward follows), flat and not differentiable (``dispatch.aux_like``; else empty); ``cp_cache`` holds the
+context-parallel pieces' initial states and transitions when the Hopper forward split its sequences and its last
+argument ``for_backward`` says a backward will follow (the public function passes whether autograd will
+differentiate the call); its length is a bound known from shapes (``dispatch.cp_cache_like``), so no output of
+either op has a data-dependent size.
 ``qla::chunk_gdr_bwd`` takes what the forward took plus ``do``/``dht`` (and optionally ``tt``/``gb``/``cp_cache``)
 and returns every input gradient; gradients of absent optional inputs (``A_log``, ``dt_bias``,
 ``initial_state``) come back as empty tensors, since an op cannot return ``None``.
 The forward saves its inputs, ``tt, gb`` (together about half the size of a bf16 ``v``) and ``cp_cache`` (128 KB
-per piece and v-head, at most 64 MB beyond 128 KB per sequence and v-head: ``kernels.cp_cache_numel``): the Hopper backward reuses them and recomputes the chunk states; FLA's backward leaf takes its aux; the
+per piece and v-head, at most 64 MB beyond 128 KB per sequence and v-head: ``kernels.cp_cache_numel``): the
+Hopper backward reuses them and recomputes the chunk states, FLA's backward leaf takes FLA's aux, and the
 reference backward recomputes all.
+Eager calls run the same forward and backward through :class:`EagerChunkGDR`, without the ops' dispatch.
 """
 from __future__ import annotations
 
