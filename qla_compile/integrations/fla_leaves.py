@@ -179,8 +179,8 @@ def _norm_bwd_fake(dy, x, g, weight, bias, activation, eps, mean, rstd, dresidua
 
 
 def conv_fwd_substitute(x, weight, bias, residual, initial_state=None, output_final_state=False, activation=None,
-                   cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, chunk_size=64, layout_fallback=False,
-                   **kwargs):
+                        cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, chunk_size=64,
+                        layout_fallback=False, **kwargs):
     """What dynamo traces for FLA's ``causal_conv1d_fwd``: one ``qla::fla_causal_conv1d_fwd``."""
     chunk_size = kwargs.pop("BT", chunk_size)  # FLA's deprecated name
     y, final_state = conv_fwd(x, weight, bias, residual, initial_state, cu_seqlens, cu_seqlens_cpu, chunk_indices,
@@ -189,8 +189,8 @@ def conv_fwd_substitute(x, weight, bias, residual, initial_state=None, output_fi
 
 
 def conv_bwd_substitute(x, dy, dht, weight=None, bias=None, residual=None, initial_state=None, activation=None,
-                   cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, chunk_size=64, layout_fallback=False,
-                   **kwargs):
+                        cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, chunk_size=64,
+                        layout_fallback=False, **kwargs):
     """What dynamo traces for FLA's ``causal_conv1d_bwd``: one ``qla::fla_causal_conv1d_bwd``."""
     chunk_size = kwargs.pop("BT", chunk_size)
     dx, dw, db, dh0 = conv_bwd(x, dy, dht, weight, bias, residual is not None, initial_state, cu_seqlens,
