@@ -90,15 +90,22 @@ def _setup_context(ctx, inputs, output):
     ctx.flags = flags[:_N_FLAGS]
 
 
+def _input_grads(ctx, do, dht, eager: bool):
+    """The backward of the op's autograd and (``eager``) of :class:`EagerChunkGDR`, which calls
+    ``dispatch.backward`` directly instead of the op ``qla::chunk_gdr_bwd``: the saved inputs' gradients, None for
+    absent ones, then None for cu_seqlens, the flags and for_backward."""
+    *inputs, tt, gb, cp_cache = ctx.saved_tensors  # q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
+    do = torch.zeros_like(inputs[2]) if do is None else do
+    if eager:
+        grads = dispatch.backward(do, dht, *inputs, GDROptions(*ctx.flags), (tt, gb, cp_cache))
+    else:
+        grads = chunk_gdr_bwd(do, dht, *inputs, *ctx.flags, tt, gb, cp_cache)
+    tensor_grads = tuple(None if x is None else d for x, d in zip(inputs[:8], grads))
+    return tensor_grads + (None,) * (2 + _N_FLAGS)
+
+
 def _backward(ctx, do, dht, _dtt, _dgb, _dcp):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, tt, gb, cp_cache = ctx.saved_tensors
-    if do is None:
-        do = torch.zeros_like(v)
-    grads = chunk_gdr_bwd(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *ctx.flags, tt, gb,
-                          cp_cache)
-    present = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    tensor_grads = tuple(None if x is None else d for x, d in zip(present, grads))
-    return tensor_grads + (None,) * (2 + _N_FLAGS)  # cu_seqlens, the flags, for_backward
+    return _input_grads(ctx, do, dht, eager=False)
 
 
 chunk_gdr_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -125,8 +132,5 @@ class EagerChunkGDR(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht, _dtt, _dgb, _dcp):
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, tt, gb, cp_cache = ctx.saved_tensors
         with _profiled("qla::chunk_gdr_bwd"):
-            grads = dispatch.backward(torch.zeros_like(v) if do is None else do, dht, q, k, v, g, beta, A_log,
-                                      dt_bias, initial_state, cu_seqlens, GDROptions(*ctx.flags), (tt, gb, cp_cache))
-        return (*grads, None, *(None,) * (_N_FLAGS + 1))  # cu_seqlens, the flags, for_backward
+            return _input_grads(ctx, do, dht, eager=True)
