@@ -5,10 +5,12 @@ from .backend import backend, make_backend
 from .explain import explain
 from .integrations import fla as _fla
 from .integrations.transformers import apply_to_transformers, revert_transformers
+from .passes import frontdoor as _frontdoor
 from .passes.frontdoor import register_substitutions
 from .reference import recurrent_gdr_reference
 
 _fla.install()  # our backend in FLA's registry, now or once FLA is imported (FLA itself is not imported here)
+_frontdoor.install()  # substitutions registered before each frame dynamo compiles (dynamo is not imported here)
 
 __all__ = [
     "apply_to_transformers", "backend", "chunk_gated_delta_rule", "explain", "make_backend", "recurrent_gdr_reference",

@@ -146,6 +146,41 @@ def _norm_bwd_standin(dy, x, g, weight, bias, activation="swish", eps=1e-5, mean
     return grads[0], grads[1], grads[2], grads[3] if bias is not None else None, None
 
 
+def _standin_leaves():
+    """FLA's leaves' bodies as torch stand-ins (their Triton kernels do not run on CPU)."""
+    from qla_compile.integrations import fla_leaves
+
+    fla_leaves._leaf = {"causal_conv1d_fwd": _conv_standin, "causal_conv1d_bwd": _conv_bwd_standin,
+                        "layer_norm_gated_fwd": _norm_standin, "layer_norm_gated_bwd": _norm_bwd_standin}.get
+
+
+def check_leaves_first_trace():
+    """FLA's layer modules imported after qla_compile registered its substitutions (as a script that calls
+    ``register_substitutions()`` first, then builds its model, does) and ``torch._dynamo.reset()`` between: the
+    first trace of the layer compiled with the backend has FLA's functions substituted already (registered as
+    FLA imported them), so it is one graph with ``fullgraph=True``, with and without grad (registered only at the
+    backend's first graph: a graph break at FLA's short convolution, gb0099)."""
+    from qla_compile.integrations import fla_leaves
+
+    assert "fla.layers" not in sys.modules
+    qla_compile.register_substitutions()
+    assert not fla_leaves.registered()
+    _standin_leaves()
+    from fla.layers import GatedDeltaNet
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(hidden_size=64, head_dim=16, num_heads=2, num_v_heads=4, expand_v=1.0)
+    x = torch.randn(1, 70, 64, generator=torch.Generator().manual_seed(3))
+    backend = qla_compile.make_backend(inductor=False)
+    for grad in (False, True):
+        torch._dynamo.reset()
+        with torch.set_grad_enabled(grad):
+            torch.compile(layer, backend=backend, fullgraph=True)(x)
+    assert [r.front_door_calls > 0 for r in backend.reports] == [True, True], [r.summary() for r in backend.reports]
+    assert len(fla_leaves.registered()) == 4, fla_leaves.registered()
+    print("leaves_first_trace OK")
+
+
 def check_leaves():
     """FLA's layer with its short convolution and gated output norm, compiled with ``fullgraph=True``: FLA's
     ``torch.compiler.disable``-d leaves of both are our ``qla::`` ops in the graph (no graph break), and outputs and
@@ -155,17 +190,16 @@ def check_leaves():
 
     from qla_compile.integrations import fla_leaves
 
-    fla_leaves._leaf = {"causal_conv1d_fwd": _conv_standin, "causal_conv1d_bwd": _conv_bwd_standin,
-                        "layer_norm_gated_fwd": _norm_standin, "layer_norm_gated_bwd": _norm_bwd_standin}.get
+    _standin_leaves()
     from fla.layers import GatedDeltaNet
 
     torch.manual_seed(0)
     layer = GatedDeltaNet(hidden_size=64, head_dim=16, num_heads=2, num_v_heads=4, expand_v=1.0, conv_bias=True)
-    added = qla_compile.register_substitutions(import_all=True)
+    registered = fla_leaves.registered()  # as FLA's modules were imported
     for leaf in ("causal_conv1d_fwd", "causal_conv1d_bwd"):
-        assert f"{fla_leaves.CONV}.{leaf}" in added, added
+        assert f"{fla_leaves.CONV}.{leaf}" in registered, registered
     for leaf in ("layer_norm_gated_fwd", "layer_norm_gated_bwd"):
-        assert f"{fla_leaves.NORM}.{leaf}" in added, added
+        assert f"{fla_leaves.NORM}.{leaf}" in registered, registered
     x = torch.randn(2, 70, 64, generator=torch.Generator().manual_seed(3))
     compiled = torch.compile(layer, backend=qla_compile.make_backend(inductor=False), fullgraph=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -295,4 +329,5 @@ def check_routing():
 
 if __name__ == "__main__":
     {"op": check_op, "layer": check_layer, "registry": check_registry, "verifier": check_verifier,
-     "fla_calls_our_op": check_fla_calls_our_op, "routing": check_routing, "leaves": check_leaves}[sys.argv[1]]()
+     "fla_calls_our_op": check_fla_calls_our_op, "routing": check_routing, "leaves": check_leaves,
+     "leaves_first_trace": check_leaves_first_trace}[sys.argv[1]]()

@@ -320,7 +320,7 @@ def recurrent_bmm_flat_heads(q, k, v, g, beta):
     q, k = (x / torch.linalg.vector_norm(x, dim=-1, keepdim=True) for x in (q, k))
     q, k, v = (x.transpose(1, 2).reshape(B * H, T, x.shape[-1]) for x in (q * K ** -0.5, k, v))
     g, beta = (x.transpose(1, 2).reshape(B * H, T) for x in (g, beta))
-    S = torch.zeros(B * H, K, V)
+    S = q.new_zeros(B * H, K, V)
     outs = []
     for t in range(T):
         kt = k[:, t:t + 1]  # [BH, 1, K]
@@ -433,8 +433,8 @@ def ssd_chunked(q, k, v, g, beta):
     n = T // C
     Cm, Bm, x = (y.reshape(B, n, C, H, y.shape[-1]) for y in (q, k, v * beta[..., None]))
     a = g.reshape(B, n, C, H).permute(0, 3, 1, 2)  # [B, H, n, C]
-    seg = a[..., None].expand(B, H, n, C, C).masked_fill(~torch.ones(C, C, dtype=torch.bool).tril(-1), 0).cumsum(-2)
-    L = seg.masked_fill(~torch.ones(C, C, dtype=torch.bool).tril(), float("-inf")).exp()
+    seg = a[..., None].expand(B, H, n, C, C).masked_fill(~torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1), 0).cumsum(-2)
+    L = seg.masked_fill(~torch.ones(C, C, dtype=torch.bool, device=q.device).tril(), float("-inf")).exp()
     y_diag = torch.einsum("bnlhd,bnshd,bhnls,bnshp->bnlhp", Cm, Bm, L, x)
     A_cum = a.cumsum(-1)
     states = torch.einsum("bnshd,bhns,bnshp->bnhdp", Bm, (A_cum[..., -1:] - A_cum).exp(), x)
@@ -452,7 +452,7 @@ def softmax_attention_with_decay(q, k, v, g, beta):
     G = g.transpose(1, 2).cumsum(-1)
     T = q.shape[1]
     scores = torch.einsum("bthk,bshk->bhts", q, k) * q.shape[-1] ** -0.5 + (G[..., :, None] - G[..., None, :])
-    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
     p = (scores - scores.amax(-1, keepdim=True)).exp()
     return torch.einsum("bhts,bshv->bthv", p / p.sum(-1, keepdim=True), v * beta[..., None])
 

@@ -16,7 +16,8 @@ from legacy_sources import fla_pythonpath
 TESTS = Path(__file__).resolve().parent
 
 
-@pytest.mark.parametrize("case", ["op", "layer", "registry", "verifier", "fla_calls_our_op", "routing", "leaves"])
+@pytest.mark.parametrize("case", ["op", "layer", "registry", "verifier", "fla_calls_our_op", "routing", "leaves",
+                                  "leaves_first_trace"])
 def test_fla_under_backend(case):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([fla_pythonpath(), str(TESTS)])}
     out = subprocess.run([sys.executable, str(TESTS / "fla_checks.py"), case], capture_output=True, text=True,

@@ -132,3 +132,44 @@ def test_fla_leaves_only_where_the_signature_is_known(monkeypatch, caplog):
         assert fla_leaves.register() == [f"{fla_leaves.CONV}.causal_conv1d_fwd"]
     assert "causal_conv1d_bwd takes" in caplog.text and "graph break under torch.compile stays" in caplog.text
     assert fla_leaves.register() == []  # once
+
+
+def test_when_imported_runs_after_the_import_or_at_once(tmp_path, monkeypatch, caplog):
+    """``import_hooks.when_imported``: the callback runs right after the module executes (it sees the module's
+    names), at once for a module already imported, and a failing callback is logged without failing the import."""
+    from qla_compile import import_hooks
+
+    (tmp_path / "qla_hook_probe.py").write_text("VALUE = 7\n")
+    (tmp_path / "qla_hook_broken.py").write_text("VALUE = 8\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    import_hooks.when_imported("qla_hook_probe", lambda: seen.append(sys.modules["qla_hook_probe"].VALUE))
+    assert seen == []
+    import qla_hook_probe  # noqa: F401
+    assert seen == [7]
+    import_hooks.when_imported("qla_hook_probe", lambda: seen.append("again"))
+    assert seen == [7, "again"]
+
+    def broken():
+        raise RuntimeError("probe")
+
+    import_hooks.when_imported("qla_hook_broken", broken)
+    with caplog.at_level(logging.WARNING, logger=import_hooks.__name__):
+        import qla_hook_broken
+    assert qla_hook_broken.VALUE == 8 and "probe" in caplog.text
+    assert not {"qla_hook_probe", "qla_hook_broken"} & set(import_hooks._pending)
+
+
+def test_front_door_registers_at_each_compile_start_even_after_a_reset():
+    """The front door's compile-start callback is in dynamo's list, and back after ``torch._dynamo.reset()``
+    (which clears that list) once the backend compiles a graph."""
+    from torch._dynamo.callback import callback_handler
+
+    from qla_compile.passes import frontdoor
+
+    torch.compile(lambda x: x + 1, backend=qla_compile.make_backend(inductor=False))(torch.ones(2))
+    assert frontdoor._at_compile_start in callback_handler.start_callbacks
+    torch._dynamo.reset()
+    assert frontdoor._at_compile_start not in callback_handler.start_callbacks
+    torch.compile(lambda x: x * 2, backend=qla_compile.make_backend(inductor=False))(torch.ones(2))
+    assert frontdoor._at_compile_start in callback_handler.start_callbacks

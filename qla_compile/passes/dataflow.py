@@ -16,12 +16,18 @@ from ..patterns.graph_anchors import MUTATING
 
 
 def op_name(node: fx.Node) -> str:
-    """``__name__`` of a call_function target, or the method name of a call_method node ('' otherwise)."""
+    """``__name__`` of a call_function target, or the method name of a call_method node ('' otherwise); an
+    operator method by its ``operator`` function's name (dynamo may record ``x == 1`` as either)."""
     if node.op == "call_method":
-        return node.target
+        return _OPERATOR_METHODS.get(node.target, node.target)
     if node.op == "call_function":
         return getattr(node.target, "__name__", str(node.target))
     return ""
+
+
+_OPERATOR_METHODS = {f"__{name.rstrip('_')}__": name for name in (
+    "eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "invert",
+    "and_", "or_", "xor", "getitem", "matmul")}
 
 
 def value(node) -> object:

@@ -7,8 +7,9 @@ Eager calls are unaffected: a substitution only applies while dynamo traces.
 Registration is **global to the process** and idempotent.  It is keyed by object identity, so it must see
 the objects the layers really call: a transformers layer looks its module-level function up at call time,
 and that name is bound to the ``use_kernel_func_from_hub_with_fallback`` wrapper, so we register the wrapper
-and every function below it along ``__wrapped__``.  Modules imported after a registration are picked up by
-the next ``register_substitutions()`` call, which ``qla_compile.backend`` makes before every compiled call.
+and every function below it along ``__wrapped__``.  What is imported by the time dynamo starts compiling a
+frame is registered then (:func:`install`: a compile-start callback, whatever the backend), so the first
+trace of a model already goes through the front door; ``register_substitutions()`` does it on demand.
 
 **Never the unrolled loop.**  Should dynamo fail to trace a substitute (a graph break inside it), it calls
 the original eagerly at the break and then traces the original's own frame: the chunk loop, unrolled, one
@@ -29,7 +30,8 @@ import types
 
 import torch
 
-from ..patterns.known_functions import known_functions
+from ..import_hooks import when_imported
+from ..patterns.known_functions import FLA_FUNCTIONS, known_functions
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +140,34 @@ def eager_body(fn):
     return fn if entry is None else entry[0]
 
 
+def install() -> None:
+    """Register the substitutions before dynamo first traces what they cover, whatever the backend: right after
+    each FLA module with a function they cover is imported, and at the start of every frame dynamo compiles
+    (transformers' modules, found at run time). Imports nothing itself."""
+    from ..integrations import fla_leaves
+
+    for module in sorted({known.module for known in FLA_FUNCTIONS} | set(fla_leaves.MODULES)):
+        when_imported(module, register_substitutions)
+    when_imported("torch._dynamo", _refresh_at_compile_start)
+
+
+def _refresh_at_compile_start() -> None:
+    """:func:`refresh` as a dynamo compile-start callback (again after ``torch._dynamo.reset()`` cleared it)."""
+    from torch._dynamo.callback import callback_handler
+
+    if _at_compile_start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_at_compile_start)
+
+
+def _at_compile_start(_args=None) -> None:
+    refresh()
+
+
 def refresh() -> None:
     """Cheap per-call hook: register newly imported modules' functions when ``sys.modules`` has grown."""
     global _modules_seen
+    if "torch._dynamo" in sys.modules:
+        _refresh_at_compile_start()
     if len(sys.modules) != _modules_seen:
         _modules_seen = len(sys.modules)
         register_substitutions()
