@@ -183,8 +183,7 @@ def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
             q, k, g, beta, A_log, dt_bias, opts, dqa.float(), dka.float(), dga.float(), dba.float()
         )
     else:
-        l2 = opts.use_qk_l2norm_in_kernel
-        dq, dk = (acts.l2norm_bwd(q, dqa), acts.l2norm_bwd(k, dka)) if l2 else (dqa, dka)
+        dq, dk = acts.l2norm_bwd((q, dqa), (k, dka)) if opts.use_qk_l2norm_in_kernel else (dqa, dka)
         dg, dbeta, dA_log, ddt_bias = acts.gates_bwd(g, beta, A_log, dt_bias, opts, dga, dba)
     if dh0 is not None:
         dh0 = (dh0.mT if opts.state_v_first else dh0).contiguous().to(initial_state.dtype)
@@ -198,11 +197,12 @@ def _activated(q, k, g, beta, A_log, dt_bias, opts: GDROptions):
     acts = input_activations()
     if acts is None:
         _choices["hopper", "the input activations as torch ops (Triton does not import)"] += 1
-        norm, gates = l2norm_fp32, functools.partial(activate_gates, dtype=torch.float32)
+        norm, gates = (lambda q, k: (l2norm_fp32(q), l2norm_fp32(k))), functools.partial(activate_gates,
+                                                                                       dtype=torch.float32)
     else:
-        norm, gates = acts.l2norm, acts.gates
+        norm, gates = acts.l2norm, acts.gates  # q and k in one launch
     if opts.use_qk_l2norm_in_kernel:
-        q, k = norm(q), norm(k)
+        q, k = norm(q, k)
     return (q, k, *gates(g, beta, A_log, dt_bias, opts), acts)
 
 

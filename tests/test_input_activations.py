@@ -37,10 +37,21 @@ for name, x in cases:
     xr = x.double().requires_grad_()
     ref = l2norm(xr)
     (ref * dy.double()).sum().backward()
-    y, dx = acts.l2norm(x), acts.l2norm_bwd(x, dy)
+    (y,), (dx,) = acts.l2norm(x), acts.l2norm_bwd((x, dy))
     out[name] = dict(contiguous=y.is_contiguous() and dx.is_contiguous(), dtype=str(y.dtype) + str(dx.dtype),
                      shape=list(y.shape) == list(x.shape) == list(dx.shape), y=err(y, ref.detach()),
                      dx=err(dx, xr.grad), want_dtype=str(x.dtype) * 2)
+# q and k in one launch (slices of one fused projection), and a pair of two layouts (one launch each): the
+# same values as one at a time
+pairs = {}
+for name, (a, b) in {"one-launch": (fused[..., :512], fused[..., 512:1024]),
+                     "two-layouts": (fused[..., :512], fused[..., :512].contiguous()[:, 5:])}.items():
+    a, b = (t.unflatten(-1, (4, 128)) for t in (a, b))
+    da, db = torch.randn(a.shape).to(a.dtype), torch.randn(b.shape).to(b.dtype)
+    single = acts.l2norm(a) + acts.l2norm(b) + acts.l2norm_bwd((a, da)) + acts.l2norm_bwd((b, db))
+    paired = acts.l2norm(a, b) + acts.l2norm_bwd((a, da), (b, db))
+    pairs[name] = all(torch.equal(s, p) for s, p in zip(single, paired))
+out["pairs"] = pairs
 gates = {}
 # FLA's layer options, over gate inputs from -30 to 30 (softplus' tails) and a strided beta
 for gate, dt, sig, neg in [(True, True, True, True), (True, False, True, False), (False, False, False, False),
@@ -75,6 +86,7 @@ def test_triton_activations_match_float64_forward_and_backward():
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     gates = results.pop("gates")
+    assert results.pop("pairs") == {"one-launch": True, "two-layouts": True}
     assert set(results) == {"fused-slice", "padded-batch", "d96-fp16", "empty"}
     assert len(gates) == 4
     for name, r in gates.items():

@@ -25,15 +25,15 @@ _BLOCK = 1024  # gate elements per program
 
 
 @triton.jit
-def _rows(n_rows, heads, stride_t, stride_h, ROWS: tl.constexpr):
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+def _rows(pid, n_rows, heads, stride_t, stride_h, ROWS: tl.constexpr):
+    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     return rows, rows < n_rows, (rows // heads) * stride_t + (rows % heads) * stride_h
 
 
 @triton.jit
-def _l2norm_fwd(x_ptr, y_ptr, n_rows, heads, stride_t, stride_h, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                ROWS: tl.constexpr):
-    rows, live, src = _rows(n_rows, heads, stride_t, stride_h, ROWS)
+def _l2norm_rows(x_ptr, y_ptr, pid, n_rows, heads, stride_t, stride_h, eps, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    rows, live, src = _rows(pid, n_rows, heads, stride_t, stride_h, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (cols[None, :] < D)
     x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -43,9 +43,9 @@ def _l2norm_fwd(x_ptr, y_ptr, n_rows, heads, stride_t, stride_h, eps, D: tl.cons
 
 
 @triton.jit
-def _l2norm_bwd(x_ptr, dy_ptr, dx_ptr, n_rows, heads, stride_t, stride_h, eps, D: tl.constexpr,
-                BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
-    rows, live, src = _rows(n_rows, heads, stride_t, stride_h, ROWS)
+def _l2norm_bwd_rows(x_ptr, dy_ptr, dx_ptr, pid, n_rows, heads, stride_t, stride_h, eps, D: tl.constexpr,
+                     BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    rows, live, src = _rows(pid, n_rows, heads, stride_t, stride_h, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (cols[None, :] < D)
     dense = rows[:, None] * D + cols[None, :]
@@ -57,10 +57,34 @@ def _l2norm_bwd(x_ptr, dy_ptr, dx_ptr, n_rows, heads, stride_t, stride_h, eps, D
     tl.store(dx_ptr + dense, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _l2norm_fwd(x0_ptr, y0_ptr, x1_ptr, y1_ptr, per_tensor, n_rows, heads, stride_t, stride_h, eps,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """Programs ``[0, per_tensor)`` normalise x0 into y0, the rest x1 into y1 (q and k in one launch)."""
+    pid = tl.program_id(0)
+    if pid < per_tensor:
+        _l2norm_rows(x0_ptr, y0_ptr, pid, n_rows, heads, stride_t, stride_h, eps, D, BLOCK_D, ROWS)
+    else:
+        _l2norm_rows(x1_ptr, y1_ptr, pid - per_tensor, n_rows, heads, stride_t, stride_h, eps, D, BLOCK_D, ROWS)
+
+
+@triton.jit
+def _l2norm_bwd(x0_ptr, dy0_ptr, dx0_ptr, x1_ptr, dy1_ptr, dx1_ptr, per_tensor, n_rows, heads, stride_t, stride_h,
+                eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid < per_tensor:
+        _l2norm_bwd_rows(x0_ptr, dy0_ptr, dx0_ptr, pid, n_rows, heads, stride_t, stride_h, eps, D, BLOCK_D, ROWS)
+    else:
+        _l2norm_bwd_rows(x1_ptr, dy1_ptr, dx1_ptr, pid - per_tensor, n_rows, heads, stride_t, stride_h, eps, D,
+                         BLOCK_D, ROWS)
+
+
 def _on(device):
-    """The tensors' device made current: Triton launches on the current device's stream (a CPU device: Triton's
-    interpreter, in the tests)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    """The tensors' device made current where it is not: Triton launches on the current device's stream (a CPU
+    device: Triton's interpreter, in the tests)."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _strided_rows(x):
@@ -72,27 +96,36 @@ def _strided_rows(x):
     return x, x.stride(1), x.stride(2)
 
 
-def _launch(kernel, x, *tensors):
-    x, stride_t, stride_h = _strided_rows(x)
+def _launch(kernel, pairs):
+    """``kernel`` over the rows of one or two tensors of one shape and layout (``pairs``: per tensor, ``x`` and
+    the extra inputs), in one launch; the outputs, contiguous in ``x``'s dtype."""
+    rows = [_strided_rows(pair[0]) for pair in pairs]
+    if len(pairs) == 2 and (rows[0][1:] != rows[1][1:] or rows[0][0].shape != rows[1][0].shape):
+        return _launch(kernel, pairs[:1]) + _launch(kernel, pairs[1:])  # layouts differ: one launch each
+    x, stride_t, stride_h = rows[0]
     B, T, H, D = x.shape
     n_rows = B * T * H
-    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    outs = tuple(torch.empty(x.shape, device=x.device, dtype=x.dtype) for _ in pairs)
+    groups = [(r[0], *pair[1:], out) for r, pair, out in zip(rows, pairs, outs)]
+    args = [a for group in groups * (3 - len(groups)) for a in group][:2 * len(groups[0])]  # one: its twin unread
+    per_tensor = triton.cdiv(n_rows, _ROWS)
     if n_rows:
         with _on(x.device):
-            kernel[(triton.cdiv(n_rows, _ROWS),)](x, *tensors, out, n_rows, H, stride_t, stride_h, L2NORM_EPS, D=D,
-                                                   BLOCK_D=triton.next_power_of_2(D), ROWS=_ROWS, num_warps=4)
-    return out
+            kernel[(per_tensor * len(pairs),)](*args, per_tensor, n_rows, H, stride_t, stride_h, L2NORM_EPS, D=D,
+                                               BLOCK_D=triton.next_power_of_2(D), ROWS=_ROWS, num_warps=4)
+    return outs
 
 
-def l2norm(x: torch.Tensor) -> torch.Tensor:
-    """The L2-normalised rows of ``x`` ``[B, T, H, D]`` (computed in fp32), contiguous, in ``x``'s dtype."""
-    return _launch(_l2norm_fwd, x)
+def l2norm(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The L2-normalised rows of each of one or two tensors ``[B, T, H, D]`` (q and k: one launch where they
+    share a shape and layout), computed in fp32, contiguous, in their dtypes."""
+    return _launch(_l2norm_fwd, [(x,) for x in xs])
 
 
-def l2norm_bwd(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """The gradient of :func:`l2norm` at ``x`` given ``dy`` (its output's gradient), contiguous, in ``x``'s
-    dtype."""
-    return _launch(_l2norm_bwd, x, dy.contiguous())
+def l2norm_bwd(*pairs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The gradients of :func:`l2norm` at each ``x`` given ``dy`` (its output's gradient), for one or two pairs
+    ``(x, dy)``, contiguous, in ``x``'s dtype."""
+    return _launch(_l2norm_bwd, [(x, dy.contiguous()) for x, dy in pairs])
 
 
 @triton.jit
