@@ -140,20 +140,21 @@ def profile_step(step):
     total = sum(e.self_device_time_total for e in kernels)
     kernels.sort(key=lambda e: -e.self_device_time_total)
     top = [(e.key[:90], round(e.self_device_time_total / 1e3, 3)) for e in kernels[:12]]
-    inside = {}  # kernels launched within a GDN op (outermost ones only: no double count), by event id
-    for event in prof.events():
-        if event.key in GDN_OPS and event.device_type != cuda and not _below_gdn(event.cpu_parent):
-            inside.update((id(k), k) for k in _kernels_below(event))
-    # kernels launched through the driver API (Triton's, TileLang's) inside a profiler range are not linked to
-    # it on the CPU side: take those inside the range's GPU annotation
-    spans = [e.time_range for e in prof.events() if e.key in GDN_OPS and e.device_type == cuda]
+    # kernels launched through the driver API (Triton's, TileLang's) inside a profiler range (EagerChunkGDR's) are
+    # not linked to it on the CPU side: for a GDN op with such a range, take the kernels inside its GPU annotation
+    spans = [e for e in prof.events() if e.key in GDN_OPS and e.device_type == cuda]
+    ranged = {e.key for e in spans}
+    by_name = collections.Counter()
     for event in prof.events():
         if event.device_type == cuda and event.key not in GDN_OPS and any(
-                s.start <= event.time_range.start and event.time_range.end <= s.end for s in spans):
-            inside.setdefault(id(event), event)
-    by_name = collections.Counter()
-    for kernel in inside.values():
-        by_name[kernel.name[:90]] += kernel.duration
+                s.time_range.start <= event.time_range.start and event.time_range.end <= s.time_range.end
+                for s in spans):
+            by_name[event.name[:90]] += event.time_range.elapsed_us()
+    for event in prof.events():  # the other GDN ops: the kernels below them (outermost ones only: no double count)
+        if (event.key in GDN_OPS and event.key not in ranged and event.device_type != cuda
+                and not _below_gdn(event.cpu_parent)):
+            for kernel in _kernels_below(event):
+                by_name[kernel.name[:90]] += kernel.duration
     gdn_top = [(name, round(us / 1e3, 3)) for name, us in by_name.most_common(12)]
     return sum(by_name.values()) / 1e3, total / 1e3, top, gdn_top
 
