@@ -35,7 +35,6 @@ def step_seconds(fn, model, ids, repeats=3):
 
 def main():
     model = tiny_model()
-    qla_compile.register_substitutions()  # global to the process; before the first compile so dynamo traces our op
     ids = torch.randint(0, 256, (2, 512))
     print(qla_compile.explain(model, ids, use_cache=False))
 
