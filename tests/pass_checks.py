@@ -1,6 +1,8 @@
 """Checks of the FX pass on the collection of ``gdn_forms`` on any device (``tests/test_passes_forms.py`` runs them
 on CPU, ``tests/gpu/test_passes_cuda.py`` on CUDA): a GDN form is fused into one call of our op and matches eager
 and the float64 oracle; a look-alike is left as it was; the pass stays within its time budget."""
+import dataclasses
+
 import torch
 
 import qla_compile as qb
@@ -44,10 +46,10 @@ def _oracle(form):
     return run
 
 
-def check_form_fused(name, device="cpu"):
-    """The form ``name`` compiles into one call of our op, as close to eager (fp32) or to the float64 oracle
-    (half) as eager is."""
-    form = FORMS[name]
+def check_form_fused(name, device="cpu", T=None):
+    """The form ``name`` (at ``T`` tokens: the form's own length by default) compiles into one call of our op, as
+    close to eager (fp32) or to the float64 oracle (half) as eager is."""
+    form = FORMS[name] if T is None else dataclasses.replace(FORMS[name], T=T)
     args = form_inputs(form, seed=sorted(FORMS).index(name), device=device)
     eager, eager_grads = outputs_and_grads(form.fn, args, form.differentiable)
     oracle, oracle_grads = outputs_and_grads(_oracle(form), [a.double() for a in args], form.differentiable)

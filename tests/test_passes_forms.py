@@ -16,6 +16,18 @@ def test_form_is_fused_and_matches_eager(name):
     check_form_fused(name)
 
 
+#: The chunked forms and their chunk sizes (from their names).
+ONE_CHUNK = {name: int(name.rsplit("_c", 1)[1]) for name in FORMS if name.startswith("chunk_")}
+
+
+@pytest.mark.parametrize("name", ONE_CHUNK)
+def test_chunked_form_is_fused_at_one_chunk(name):
+    """A chunked form over exactly one chunk: its loop runs once, the state update after it is dead code, so the
+    region has no state chain and its in-chunk gate sums (by ``cumsum`` or a triangular matmul) and their masked
+    pairwise decay (by a select, an additive -inf mask, a clamp) are all there is to find."""
+    check_form_fused(name, T=ONE_CHUNK[name])
+
+
 @pytest.mark.parametrize("name", LOOK_ALIKES)
 def test_look_alike_is_left_alone(name):
     check_look_alike_left_alone(name)

@@ -1,7 +1,8 @@
 """Find candidate GDN regions in a dynamo FX graph: anchors, outputs, and the nodes in between.
 
-1. **Anchor**: a group of seeds linked by short flow paths.  Seeds are a ``cumsum`` whose pairwise differences
-   are exponentiated (the chunk decay mask ``exp(G_i - G_j)`` of every chunked form), and *state decays*: a
+1. **Anchor**: a group of seeds linked by short flow paths.  Seeds are in-chunk gate sums (a ``cumsum``, or any
+   op's output) whose pairwise differences are exponentiated (the chunk decay mask ``exp(G_i - G_j)`` of every
+   chunked form), and *state decays*: a
    product of a tensor with an exponential (``S * exp(g_t)``).  A group is an anchor if it holds a cumsum seed,
    or two decays one feeding the other within a few ops: the decayed state carried token to token (a
    recurrence, unrolled) or chunk to chunk.  Plain or softmax attention have neither.
@@ -23,7 +24,7 @@ import torch
 from torch import fx
 
 from ..patterns.graph_anchors import (
-    CUMSUM, DECAY_PRODUCTS, DECAY_VIEWS, EXP, GATE_MAPS, JOINS, LAYOUT, OWNED_TUPLES, PAIRWISE_MASKS, PAIRWISE_VIEWS, REGION_OPS,
+    DECAY_PRODUCTS, DECAY_VIEWS, EXP, GATE_MAPS, JOINS, LAYOUT, OWNED_TUPLES, PAIRWISE_MASKS, PAIRWISE_VIEWS, REGION_OPS,
     RESHAPES, SUB,
 )
 from .dataflow import Dataflow, is_mutation, is_tensor, op_name, value, written
@@ -51,7 +52,9 @@ class Region:
 def find_anchors(flow: Dataflow) -> list[Anchor]:
     """The seed groups that may be a GDN, in graph order of their anchor nodes."""
     live = [n for n in flow.nodes if n not in flow.dead]
-    cumsums = {n for n in live if op_name(n) in CUMSUM and _has_pairwise_exp(flow, n)}
+    # in-chunk gate sums: by cumsum, or by any other op (a matmul with a lower triangle) whose pairwise
+    # differences are exponentiated
+    cumsums = {n for n in live if op_name(n) not in PAIRWISE_VIEWS and is_tensor(n) and _has_pairwise_exp(flow, n)}
     seeds = [n for n in live if n in cumsums or _is_decay(n)]
     anchors = []
     for group in _linked_groups(flow, seeds):

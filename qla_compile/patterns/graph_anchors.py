@@ -4,12 +4,14 @@ Names are matched against ``call_function`` targets' ``__name__`` and ``call_met
 """
 from __future__ import annotations
 
-#: The anchor: a cumulative sum of log gates over the chunk axis ...
+#: The anchor: a cumulative sum of log gates over the chunk axis (by ``cumsum``, or any op: a matmul with a
+#: lower triangle) ...
 CUMSUM = frozenset({"cumsum"})
 #: ... whose pairwise differences (reached through these view ops) ...
 PAIRWISE_VIEWS = frozenset({"unsqueeze", "getitem", "view", "reshape", "expand", "transpose", "permute", "rearrange"})
-#: ... are subtracted, masked and exponentiated.
-PAIRWISE_MASKS = frozenset({"masked_fill", "masked_fill_", "tril", "triu", "where", "float", "to", "mul"})
+#: ... are subtracted, masked (by a product, a select, an additive -inf mask, a clamp) and exponentiated.
+PAIRWISE_MASKS = frozenset({"masked_fill", "masked_fill_", "tril", "triu", "where", "float", "to", "mul", "add",
+                            "clamp", "clamp_max", "minimum"})
 SUB = frozenset({"sub", "sub_"})
 EXP = frozenset({"exp", "exp_"})
 #: The other seed: a state decay, a product (``S * exp(g_t)``, ``einsum("bh,bhkv->bhkv", exp(g_t), S)``) ...
