@@ -102,6 +102,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     import qla_compile
+    from torch._dynamo.utils import counters
 
     qla_compile.register_substitutions()
     rows, profiles = [], []
@@ -119,8 +120,12 @@ def main():
                     fn = torch.compile(layer, backend=qla_compile.backend) if path == "qla-compiled" else layer
                     step = step_fn(fn, layer, x, op)
                     breaks0, graphs0 = dynamo_counts()
+                    reasons0 = dict(counters["graph_break"])
                     out = step().float()
                     breaks, graphs = (a - b for a, b in zip(dynamo_counts(), (breaks0, graphs0)))
+                    for reason, n in counters["graph_break"].items():
+                        if n > reasons0.get(reason, 0):
+                            print(f"  graph break x{n - reasons0.get(reason, 0)}: {' '.join(reason.split())[:300]}")
                     ref = out if path == "fla" else ref
                     step()
                     ms = median_ms(step, args.reps, args.rounds)
