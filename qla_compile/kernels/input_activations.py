@@ -107,7 +107,9 @@ def _launch(kernel, pairs):
     n_rows = B * T * H
     outs = tuple(torch.empty(x.shape, device=x.device, dtype=x.dtype) for _ in pairs)
     groups = [(r[0], *pair[1:], out) for r, pair, out in zip(rows, pairs, outs)]
-    args = [a for group in groups * (3 - len(groups)) for a in group][:2 * len(groups[0])]  # one: its twin unread
+    if len(groups) == 1:
+        groups *= 2  # the kernel's second tensor: no program is launched for it
+    args = [a for group in groups for a in group]
     per_tensor = triton.cdiv(n_rows, _ROWS)
     if n_rows:
         with _on(x.device):

@@ -7,9 +7,10 @@ Eager calls are unaffected: a substitution only applies while dynamo traces.
 Registration is **global to the process** and idempotent.  It is keyed by object identity, so it must see
 the objects the layers really call: a transformers layer looks its module-level function up at call time,
 and that name is bound to the ``use_kernel_func_from_hub_with_fallback`` wrapper, so we register the wrapper
-and every function below it along ``__wrapped__``.  What is imported by the time dynamo starts compiling a
-frame is registered then (:func:`install`: a compile-start callback, whatever the backend), so the first
-trace of a model already goes through the front door; ``register_substitutions()`` does it on demand.
+and every function below it along ``__wrapped__``.  :func:`install` registers FLA's functions as FLA imports
+them and everything else imported by the time dynamo starts compiling a frame (a compile-start callback,
+whatever the backend), so the first trace of a model already goes through the front door;
+``register_substitutions()`` does it on demand.
 
 **Never the unrolled loop.**  Should dynamo fail to trace a substitute (a graph break inside it), it calls
 the original eagerly at the break and then traces the original's own frame: the chunk loop, unrolled, one
