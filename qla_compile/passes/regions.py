@@ -1,11 +1,11 @@
 """Find candidate GDN regions in a dynamo FX graph: anchors, outputs, and the nodes in between.
 
-1. **Anchor**: a group of seeds linked by short flow paths.  Seeds are in-chunk gate sums (a ``cumsum``, or any
-   op's output) whose pairwise differences are exponentiated (the chunk decay mask ``exp(G_i - G_j)`` of every
-   chunked form), and *state decays*: a
-   product of a tensor with an exponential (``S * exp(g_t)``).  A group is an anchor if it holds a cumsum seed,
-   or two decays one feeding the other within a few ops: the decayed state carried token to token (a
-   recurrence, unrolled) or chunk to chunk.  Plain or softmax attention have neither.
+1. **Anchor**: a group of seeds linked by short flow paths.  Seeds are in-chunk gate sums (a ``cumsum``, or
+   any op's output: a matmul with a lower triangle) whose pairwise differences are exponentiated (the chunk
+   decay mask ``exp(G_i - G_j)`` of every chunked form), and *state decays*: a product of a tensor with an
+   exponential (``S * exp(g_t)``).  A group is an anchor if it holds a gate-sum seed, or two decays one feeding
+   the other within a few ops: the decayed state carried token to token (a recurrence, unrolled) or chunk to
+   chunk.  Plain attention has neither; softmax attention with a decay bias is left to the proof.
 2. **Outputs**: the first node all of the group's flow passes through (their common post-dominator), extended
    through layout-only ops; when a final state leaves too, the state is tried as a second exit.  A buffer
    filled in place ends in its last write (``dataflow.written``).
@@ -52,8 +52,6 @@ class Region:
 def find_anchors(flow: Dataflow) -> list[Anchor]:
     """The seed groups that may be a GDN, in graph order of their anchor nodes."""
     live = [n for n in flow.nodes if n not in flow.dead]
-    # in-chunk gate sums: by cumsum, or by any other op (a matmul with a lower triangle) whose pairwise
-    # differences are exponentiated
     cumsums = {n for n in live if op_name(n) not in PAIRWISE_VIEWS and is_tensor(n) and _has_pairwise_exp(flow, n)}
     seeds = [n for n in live if n in cumsums or _is_decay(n)]
     anchors = []

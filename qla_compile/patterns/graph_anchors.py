@@ -4,8 +4,7 @@ Names are matched against ``call_function`` targets' ``__name__`` and ``call_met
 """
 from __future__ import annotations
 
-#: The anchor: a cumulative sum of log gates over the chunk axis (by ``cumsum``, or any op: a matmul with a
-#: lower triangle) ...
+#: The anchor: the in-chunk sums of the log gates (a ``cumsum``, or any op's output: ``regions.find_anchors``) ...
 CUMSUM = frozenset({"cumsum"})
 #: ... whose pairwise differences (reached through these view ops) ...
 PAIRWISE_VIEWS = frozenset({"unsqueeze", "getitem", "view", "reshape", "expand", "transpose", "permute", "rearrange"})
