@@ -5,7 +5,7 @@
    decay mask ``exp(G_i - G_j)`` of every chunked form), and *state decays*: a product of a tensor with an
    exponential (``S * exp(g_t)``).  A group is an anchor if it holds a gate-sum seed, or two decays one feeding
    the other within a few ops: the decayed state carried token to token (a recurrence, unrolled) or chunk to
-   chunk.  Plain attention has neither; softmax attention with a decay bias is left to the proof.
+   chunk.  Plain or softmax attention have neither.
 2. **Outputs**: the first node all of the group's flow passes through (their common post-dominator), extended
    through layout-only ops; when a final state leaves too, the state is tried as a second exit.  A buffer
    filled in place ends in its last write (``dataflow.written``).
