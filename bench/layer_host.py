@@ -1,10 +1,10 @@
-"""Where an eager layer step spends its host time on the GPU machine, and what breaks the compiled one.
+"""Where a layer step spends its host time on the GPU machine, eagerly and compiled.
 
 For FLA's ``GatedDeltaNet`` (``bench_layer.build``) at one length, per path (``fla``: our FLA backend off,
-``qla-eager``: on): the host ms of one step (the time until ``step()`` returns, the GPU kept idle before it, so
-that no launch waits on a full queue), the device-to-host synchronisations it makes
-(``torch.cuda.set_sync_debug_mode``), and a ``cProfile`` of the qla-eager step (top functions by own time and by
-cumulative time). Then ``torch._dynamo.explain`` of the layer's forward with and without grad, with the break reasons.
+``qla-eager``: on, ``qla-compiled``: under ``qla_compile.backend``): the host ms of one step (the time until
+``step()`` returns, the GPU kept idle before it, so that no launch waits on a full queue), the device-to-host
+synchronisations it makes (``torch.cuda.set_sync_debug_mode``), dynamo's graphs and breaks, and for our two paths
+a ``cProfile`` of ten steps (top functions by own time and by cumulative time).
 
     python bench/layer_host.py --out $OUT [--layer fla-128x32] [--T 8192]
 """
@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.bench_layer import build, step_fn  # noqa: E402
+from bench.model import dynamo_counts  # noqa: E402
 
 
 def host_ms(step, reps=20):
@@ -52,7 +53,7 @@ def syncs(step):
     return [str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message)]
 
 
-def profile_text(step, sort, lines=25):
+def profile_text(step, sort, lines):
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(10):
@@ -77,25 +78,21 @@ def main():
     x = torch.randn(1, args.T, 2048, device="cuda", dtype=torch.bfloat16)
     rows, report = [], []
     for op in ("fwd", "fwd+bwd"):
-        for path in ("fla", "qla-eager"):
+        for path in ("fla", "qla-eager", "qla-compiled"):
             os.environ["FLA_QLA_COMPILE"] = "0" if path == "fla" else "1"
-            step = step_fn(layer, layer, x, op)
+            torch._dynamo.reset()
+            fn = torch.compile(layer, backend=qla_compile.backend) if path == "qla-compiled" else layer
+            step = step_fn(fn, layer, x, op)
+            breaks0, graphs0 = dynamo_counts()
             for _ in range(3):
                 step()
+            breaks, graphs = (a - b for a, b in zip(dynamo_counts(), (breaks0, graphs0)))
             rows.append(dict(layer=args.layer, T=args.T, op=op, path=path, host_ms=round(host_ms(step), 3),
-                             syncs=syncs(step)))
+                             syncs=syncs(step), graphs=graphs, graph_breaks=breaks))
             print(json.dumps(rows[-1]), flush=True)
-            if path == "qla-eager":
+            if path != "fla":
                 for sort in ("tottime", "cumulative"):
-                    report.append(f"## {op} {path}, 10 steps, by {sort}\n" + profile_text(step, sort))
-        torch._dynamo.reset()
-        os.environ["FLA_QLA_COMPILE"] = "1"
-        with torch.set_grad_enabled(op != "fwd"):
-            explained = torch._dynamo.explain(layer)(x)
-        reasons = [f"{b.reason} @ {b.user_stack[-1] if b.user_stack else '?'}"[:400] for b in explained.break_reasons]
-        rows.append(dict(layer=args.layer, T=args.T, op=op, path="qla-compiled", graphs=explained.graph_count,
-                         breaks=explained.graph_break_count, reasons=reasons))
-        print(json.dumps(rows[-1]), flush=True)
+                    report.append(f"## {op} {path}, 10 steps, by {sort}\n" + profile_text(step, sort, lines=40))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "layer-host.json"), "w") as f:
         json.dump(rows, f, indent=1)
