@@ -3,10 +3,10 @@
 Two mechanisms, both before AOTAutograd so that training differentiates through the ``qla`` backward op:
 
 * **Front door** (``passes/frontdoor.py``): dynamo substitutions for the known eager GDN functions, so they
-  trace as one ``qla`` op with a dynamic length.  Registration is global to the process, idempotent and
-  explicit: ``qla_compile.register_substitutions()`` (call it once before compiling), and every backend
-  call registers what was imported since.  A graph traced before any registration is still fused by the
-  FX pass, and the next trace (e.g. at the next new length) goes through the front door.
+  trace as one ``qla`` op with a dynamic length.  Registration is global to the process and idempotent;
+  each function is registered as its module is imported (``frontdoor.install``), and every backend call
+  registers what else was imported since.  A graph traced before its registration is still fused by the FX
+  pass.
 * **FX pass** (``passes/fuse.py``): on each graph dynamo hands over, proves and fuses GDN written any other
   way.  Then Inductor compiles the result (with ``inductor_compat``'s fixes for dynamic shapes).
 """

@@ -96,9 +96,7 @@ def test_qwen3_5_matches_eager(front_door, monkeypatch):
         fn = frontdoor.eager_body(m.torch_chunk_gated_delta_rule.__wrapped__)  # its own code, not the trampoline
         copy = types.FunctionType(fn.__code__, fn.__globals__, "copied", fn.__defaults__, fn.__closure__)
         monkeypatch.setattr(m, "torch_chunk_gated_delta_rule", copy)
-    model = tiny_qwen3_5()
-    if front_door:
-        frontdoor.register_substitutions()  # modeling_qwen3_5 was imported after qla_compile
+    model = tiny_qwen3_5()  # modeling_qwen3_5 imported after qla_compile: registered as dynamo starts compiling
     backend = qb.make_backend(inductor=False, front_door=front_door)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend)

@@ -160,16 +160,23 @@ def test_when_imported_runs_after_the_import_or_at_once(tmp_path, monkeypatch, c
     assert not {"qla_hook_probe", "qla_hook_broken"} & set(import_hooks._pending)
 
 
-def test_front_door_registers_at_each_compile_start_even_after_a_reset():
-    """The front door's compile-start callback is in dynamo's list, and back after ``torch._dynamo.reset()``
-    (which clears that list) once the backend compiles a graph."""
-    from torch._dynamo.callback import callback_handler
+def test_when_imported_under_a_prefix_sees_each_module(tmp_path, monkeypatch):
+    """``import_hooks.when_imported_under``: the callback gets each module below the prefix, those imported
+    before it was set and each one imported after, and no other."""
+    from qla_compile import import_hooks
 
-    from qla_compile.passes import frontdoor
+    package = tmp_path / "qla_hook_pkg"
+    package.mkdir()
+    for name in ("__init__", "early", "late"):
+        (package / f"{name}.py").write_text(f"NAME = {name!r}\n")
+    (tmp_path / "qla_hook_other.py").write_text("NAME = 'other'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import qla_hook_pkg.early  # noqa: F401
 
-    torch.compile(lambda x: x + 1, backend=qla_compile.make_backend(inductor=False))(torch.ones(2))
-    assert frontdoor._at_compile_start in callback_handler.start_callbacks
-    torch._dynamo.reset()
-    assert frontdoor._at_compile_start not in callback_handler.start_callbacks
-    torch.compile(lambda x: x * 2, backend=qla_compile.make_backend(inductor=False))(torch.ones(2))
-    assert frontdoor._at_compile_start in callback_handler.start_callbacks
+    seen = []
+    monkeypatch.setattr(import_hooks, "_prefixes", [])
+    import_hooks.when_imported_under("qla_hook_pkg.", lambda module: seen.append(module.NAME))
+    assert seen == ["early"]
+    import qla_hook_other  # noqa: F401
+    import qla_hook_pkg.late  # noqa: F401
+    assert seen == ["early", "late"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import threading
 
-from ..patterns.known_functions import _TRANSFORMERS_FN, transformers_chunk, transformers_gdn_modules
+from ..patterns.known_functions import TRANSFORMERS_FN, transformers_chunk, transformers_gdn_modules
 
 _LAYER_ATTRIBUTE = "chunk_gated_delta_rule"  # where layers of transformers <= 5.15 keep the function they call
 _lock = threading.Lock()
@@ -29,7 +29,7 @@ def apply_to_transformers(model=None) -> list[str]:
         owners += [] if model is None else [m for m in model.modules()
                                              if callable(getattr(m, _LAYER_ATTRIBUTE, None))]
         for owner in owners:
-            attribute = _TRANSFORMERS_FN if hasattr(owner, _TRANSFORMERS_FN) else _LAYER_ATTRIBUTE
+            attribute = TRANSFORMERS_FN if hasattr(owner, TRANSFORMERS_FN) else _LAYER_ATTRIBUTE
             original = getattr(owner, attribute)
             if original is transformers_chunk:
                 continue

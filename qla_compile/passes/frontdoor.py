@@ -7,10 +7,10 @@ Eager calls are unaffected: a substitution only applies while dynamo traces.
 Registration is **global to the process** and idempotent.  It is keyed by object identity, so it must see
 the objects the layers really call: a transformers layer looks its module-level function up at call time,
 and that name is bound to the ``use_kernel_func_from_hub_with_fallback`` wrapper, so we register the wrapper
-and every function below it along ``__wrapped__``.  :func:`install` registers FLA's functions as FLA imports
-them and everything else imported by the time dynamo starts compiling a frame (a compile-start callback,
-whatever the backend), so the first trace of a model already goes through the front door;
-``register_substitutions()`` does it on demand.
+and every function below it along ``__wrapped__``.  :func:`install` registers each function as its module is
+imported (FLA's, transformers' modeling modules), so the first trace of a model already goes through the front
+door, whatever the backend and however often ``torch._dynamo.reset()`` runs; ``register_substitutions()`` does
+it on demand.
 
 **Never the unrolled loop.**  Should dynamo fail to trace a substitute (a graph break inside it), it calls
 the original eagerly at the break and then traces the original's own frame: the chunk loop, unrolled, one
@@ -31,12 +31,13 @@ import types
 
 import torch
 
-from ..import_hooks import when_imported
-from ..patterns.known_functions import FLA_FUNCTIONS, known_functions
+from ..import_hooks import when_imported, when_imported_under
+from ..patterns.known_functions import FLA_FUNCTIONS, TRANSFORMERS_FN, TRANSFORMERS_MODELS, known_functions
 
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
+_registering = threading.local()  # .active: this thread is inside register_substitutions
 _registered: dict[int, tuple[object, str]] = {}  # id(original) -> (original kept alive, "module.attribute")
 _routes: dict[str, tuple[types.FunctionType, object]] = {}  # route key -> (the original's own body, substitute)
 _modules_seen = -1
@@ -63,24 +64,35 @@ def register_substitutions(import_all: bool = False) -> list[str]:
     """
     added = []
     with _lock:
-        for known in known_functions(import_all):
-            try:
-                module = sys.modules.get(known.module) or importlib.import_module(known.module)
-            except Exception as exc:  # an optional package that does not import here (e.g. FLA without triton)
-                log.debug("qla_compile: skipping %s: %s", known.module, exc)
-                continue
-            original = getattr(module, known.attribute, None)
-            for fn in _unwrap_chain(original):
-                if id(fn) in _registered:
-                    continue
-                name = f"{known.module}.{known.attribute}"
-                torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(known.substitute)
-                _take_code(fn, known.substitute)
-                _registered[id(fn)] = (fn, name)
-                added.append(name)
-        added += _fla_leaves(import_all)
+        _registering.active = True  # modules this imports are registered here, not by their import hooks
+        try:
+            added = _register_known(import_all)
+        finally:
+            _registering.active = False
     for name in added:
         log.info("qla_compile: dynamo substitution registered for %s", name)
+    return added
+
+
+def _register_known(import_all: bool) -> list[str]:
+    """The body of :func:`register_substitutions` (under its lock)."""
+    added = []
+    for known in known_functions(import_all):
+        try:
+            module = sys.modules.get(known.module) or importlib.import_module(known.module)
+        except Exception as exc:  # an optional package that does not import here (e.g. FLA without triton)
+            log.debug("qla_compile: skipping %s: %s", known.module, exc)
+            continue
+        original = getattr(module, known.attribute, None)
+        for fn in _unwrap_chain(original):
+            if id(fn) in _registered:
+                continue
+            name = f"{known.module}.{known.attribute}"
+            torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(known.substitute)
+            _take_code(fn, known.substitute)
+            _registered[id(fn)] = (fn, name)
+            added.append(name)
+    added += _fla_leaves(import_all)
     return added
 
 
@@ -142,33 +154,31 @@ def eager_body(fn):
 
 
 def install() -> None:
-    """Register the substitutions before dynamo first traces what they cover, whatever the backend: right after
-    each FLA module with a function they cover is imported, and at the start of every frame dynamo compiles
-    (transformers' modules, found at run time). Imports nothing itself."""
+    """Register the substitutions before dynamo first traces what they cover, whatever the backend: now for the
+    modules already imported, else right after each is imported (FLA's modules with a function they cover, every
+    transformers modeling module that defines ``torch_chunk_gated_delta_rule``). Imports nothing itself."""
     from ..integrations import fla_leaves
 
     for module in sorted({known.module for known in FLA_FUNCTIONS} | set(fla_leaves.MODULES)):
-        when_imported(module, register_substitutions)
-    when_imported("torch._dynamo", _refresh_at_compile_start)
+        when_imported(module, _register_on_import)
+    when_imported_under(TRANSFORMERS_MODELS, _register_if_gdn)
 
 
-def _refresh_at_compile_start() -> None:
-    """:func:`refresh` as a dynamo compile-start callback (again after ``torch._dynamo.reset()`` cleared it)."""
-    from torch._dynamo.callback import callback_handler
-
-    if _at_compile_start not in callback_handler.start_callbacks:
-        callback_handler.register_start_callback(_at_compile_start)
+def _register_if_gdn(module) -> None:
+    if getattr(module, TRANSFORMERS_FN, None) is not None:
+        _register_on_import()
 
 
-def _at_compile_start(_args=None) -> None:
-    refresh()
+def _register_on_import() -> None:
+    """:func:`register_substitutions` for a module just imported, unless a registration imported it (that one
+    registers it, and names it in what it returns)."""
+    if not getattr(_registering, "active", False):
+        register_substitutions()
 
 
 def refresh() -> None:
     """Cheap per-call hook: register newly imported modules' functions when ``sys.modules`` has grown."""
     global _modules_seen
-    if "torch._dynamo" in sys.modules:
-        _refresh_at_compile_start()
     if len(sys.modules) != _modules_seen:
         _modules_seen = len(sys.modules)
         register_substitutions()

@@ -16,7 +16,8 @@ import torch
 
 from ..api import chunk_gated_delta_rule
 
-_TRANSFORMERS_FN = "torch_chunk_gated_delta_rule"
+TRANSFORMERS_FN = "torch_chunk_gated_delta_rule"  # the eager GDN of transformers' modeling modules
+TRANSFORMERS_MODELS = "transformers.models."
 
 
 def _state_in(initial_state):
@@ -105,24 +106,24 @@ def transformers_gdn_modules(import_all: bool) -> list[str]:
     """
     names = {
         name for name, mod in list(sys.modules.items())
-        if name.startswith("transformers.models.") and mod is not None
-        and getattr(mod, _TRANSFORMERS_FN, None) is not None
+        if name.startswith(TRANSFORMERS_MODELS) and mod is not None
+        and getattr(mod, TRANSFORMERS_FN, None) is not None
     }
     if import_all:
         spec = importlib.util.find_spec("transformers")
         if spec is not None and spec.submodule_search_locations:
             root = Path(next(iter(spec.submodule_search_locations))) / "models"
-            needle = f"def {_TRANSFORMERS_FN}("
+            needle = f"def {TRANSFORMERS_FN}("
             for path in sorted(root.glob("*/modeling_*.py")):
                 if needle in path.read_text(encoding="utf-8", errors="ignore"):
-                    names.add(f"transformers.models.{path.parent.name}.{path.stem}")
+                    names.add(f"{TRANSFORMERS_MODELS}{path.parent.name}.{path.stem}")
     return sorted(names)
 
 
 def known_functions(import_all: bool = False) -> Iterator[KnownFunction]:
     """Every known implementation that is importable now (transformers modules found at run time, FLA)."""
     for name in transformers_gdn_modules(import_all):
-        yield KnownFunction(name, _TRANSFORMERS_FN, transformers_chunk)
+        yield KnownFunction(name, TRANSFORMERS_FN, transformers_chunk)
     for known in FLA_FUNCTIONS:
         if import_all or known.module in sys.modules:
             yield known
