@@ -10,7 +10,7 @@ from .passes.frontdoor import register_substitutions
 from .reference import recurrent_gdr_reference
 
 _fla.install()  # our backend in FLA's registry, now or once FLA is imported (FLA itself is not imported here)
-_frontdoor.install()  # substitutions registered before each frame dynamo compiles (dynamo is not imported here)
+_frontdoor.install()  # dynamo substitutions, registered as FLA's and transformers' GDN modules are imported
 
 __all__ = [
     "apply_to_transformers", "backend", "chunk_gated_delta_rule", "explain", "make_backend", "recurrent_gdr_reference",
