@@ -52,10 +52,17 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_unseen_form_is_proven_and_fused_on_cuda(name, monkeypatch):
-    fn, head_major, T, dtype, h0, l2norm, floor = CASES[name]
+@pytest.fixture
+def reference_on_cuda(monkeypatch):
+    """Our op's non-Hopper CUDA calls run the reference, not FLA's kernels (the collection's K = 16 is not our
+    kernels'; FLA's fp32 Triton autotune would take minutes here): what is checked is the pass, proving on CUDA
+    tensors."""
     monkeypatch.setattr(dispatch, "fla_op", lambda: None)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_unseen_form_is_proven_and_fused_on_cuda(name, reference_on_cuda):
+    fn, head_major, T, dtype, h0, l2norm, floor = CASES[name]
     kw = make_inputs(B=2, T=T, H=2, HV=4, K=128, V=128, initial_state=h0, l2norm=l2norm, dtype=dtype,
                      device="cuda", seed=3)
     tokens = [kw[n] for n in ("q", "k", "v", "g", "beta")] + ([kw["initial_state"]] if h0 else [])
@@ -84,13 +91,6 @@ def test_unseen_form_is_proven_and_fused_on_cuda(name, monkeypatch):
     for x, e, w in (*zip(got, eager, want), *zip(got_grads, eager_grads, want_grads)):
         assert x.device.type == "cuda" and torch.isfinite(x).all()
         assert rel_err(x, w) <= max(2 * rel_err(e, w), floor), (rel_err(x, w), rel_err(e, w))
-
-
-@pytest.fixture
-def reference_on_cuda(monkeypatch):
-    """Our op's non-Hopper CUDA calls run the reference (the collection's K = 16 is not our kernels'; FLA's Triton
-    autotune would take minutes here): what is checked is the pass, proving on CUDA tensors."""
-    monkeypatch.setattr(dispatch, "fla_op", lambda: None)
 
 
 @pytest.mark.parametrize("name", FORMS)
