@@ -134,6 +134,42 @@ def test_fla_leaves_only_where_the_signature_is_known(monkeypatch, caplog):
     assert fla_leaves.register() == []  # once
 
 
+def test_fla_leaf_layouts_come_from_the_fake_once_per_signature(monkeypatch):
+    """An FLA leaf op's body runs its fake (on meta copies) only for an argument signature it has not seen: a call
+    with the shapes, strides and dtypes of an earlier one reuses its layout; other strides or another dtype get their
+    own, the fake's. A backend's output in that layout is returned itself, one in another copied into it."""
+    from qla_compile.integrations import fla_leaves
+
+    fake, fakes, given = fla_leaves._bwd_fake, [], []
+    monkeypatch.setattr(fla_leaves, "_bwd_fake", lambda *args: fakes.append(args) or fake(*args))
+    monkeypatch.setattr(fla_leaves, "_layouts", {})
+    leaf = lambda x, weight, bias, **_: given.append(
+        (torch.randn(x.shape), torch.randn(weight.shape), torch.randn(bias.shape), None, None)) or given[-1]
+    monkeypatch.setattr(fla_leaves, "_leaf", lambda name: leaf)
+    w, b = torch.randn(16, 4), torch.randn(16)
+
+    def dx_of(x):
+        args = (x, torch.randn(x.shape, dtype=x.dtype), None, w, b, False, None, None, None, None, "silu", 64, False)
+        dx = fla_leaves.conv_bwd(*args)[0]
+        want = fake(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args))[0]
+        assert (dx.shape, dx.stride(), dx.dtype) == (want.shape, want.stride(), want.dtype)
+        assert torch.equal(dx, given[-1][0].to(dx.dtype))
+        return dx
+
+    assert dx_of(torch.randn(2, 9, 16)).data_ptr() == given[-1][0].data_ptr()  # the backend's dx itself
+    dx_of(torch.randn(2, 9, 16))
+    assert len(fakes) == 1  # same signature: no fake run
+    transposed, half = torch.randn(2, 16, 9).mT, torch.randn(2, 9, 16, dtype=torch.bfloat16)  # same shape
+    assert dx_of(transposed).stride() == (144, 1, 9) and dx_of(half).dtype == torch.bfloat16  # copies
+    assert len(fakes) == 3
+    dx_of(torch.randn(2, 16, 9).mT)
+    dx_of(half.clone())
+    assert len(fakes) == 3 and len(fla_leaves._layouts) == 3
+    monkeypatch.setattr(fla_leaves, "_MAX_LAYOUTS", 3)
+    dx_of(torch.randn(3, 9, 16))
+    assert len(fakes) == 4 and len(fla_leaves._layouts) == 1  # full: cleared
+
+
 def test_when_imported_runs_after_the_import_or_at_once(tmp_path, monkeypatch, caplog):
     """``import_hooks.when_imported``: the callback runs right after the module executes (it sees the module's
     names), at once for a module already imported, and a failing callback is logged without failing the import."""

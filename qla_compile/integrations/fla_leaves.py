@@ -11,8 +11,9 @@ functions around them are traced as they are. Eager calls are untouched.
 
 The ops' fake implementations give FLA's output shapes, dtypes and layouts (as its leaves allocate them); the
 bodies copy into that layout should a backend return another, so a compiled graph never reads a tensor laid out
-otherwise than it was traced with. An output FLA returns as one of its inputs (the norm's ``residual_out`` = x,
-its ``dresidual_in`` = dx) is returned so by the substitute, outside the op. ``QLA_FLA_LEAVES=0`` turns this off.
+otherwise than it was traced with; a body runs its fake on meta copies once per signature of its arguments, not on
+every call (:func:`_wanted`). An output FLA returns as one of its inputs (the norm's ``residual_out`` = x, its
+``dresidual_in`` = dx) is returned so by the substitute, outside the op. ``QLA_FLA_LEAVES=0`` turns this off.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 CONV, NORM = "fla.modules.causal_conv1d.ops", "fla.modules.norm.fused_norm_gate"
 MODULES = (CONV, NORM)
 _registered: dict[int, str] = {}  # id(FLA's function) -> its name, or "" where its parameters were not ours
+_layouts: dict[tuple, tuple] = {}  # (fake, signature of its arguments) -> what _wanted gives
+_MAX_LAYOUTS = 256  # cleared when full: new shapes (lengths, batch sizes) keep coming under dynamic shapes
 
 
 def _leaf(name: str):
@@ -35,18 +38,26 @@ def _leaf(name: str):
     return getattr(sys.modules[NORM if name.startswith("layer_norm") else CONV], name)
 
 
-def _meta(*args):
-    """``args`` with each tensor as a meta tensor (shape, dtype, strides; no data): what a fake implementation
-    needs to say how an output is laid out."""
-    return [a.to("meta") if isinstance(a, Tensor) else a for a in args]
+def _wanted(fake, *args) -> tuple:
+    """``(shape, stride, dtype)`` of each output of ``fake`` for ``args``: the fake run on meta copies once per
+    signature (each tensor's shape, strides and dtype, every other argument as it is), then cached."""
+    key = (fake, *((a.shape, a.stride(), a.dtype) if isinstance(a, Tensor) else a for a in args))
+    wanted = _layouts.get(key)
+    if wanted is None:
+        if len(_layouts) >= _MAX_LAYOUTS:
+            _layouts.clear()
+        outs = fake(*(a.to("meta") if isinstance(a, Tensor) else a for a in args))
+        wanted = _layouts[key] = tuple((o.shape, o.stride(), o.dtype) for o in outs)
+    return wanted
 
 
-def _as(t: Tensor | None, like: Tensor, device) -> Tensor:
-    """``t`` in the dtype and strides of ``like`` (a meta tensor): ``t`` itself when it has them, else a copy
-    (for ``t`` None, an uninitialised tensor shaped like ``like``: an absent output, empty)."""
-    if t is not None and t.dtype == like.dtype and t.stride() == like.stride():
+def _as(t: Tensor | None, like: tuple, device) -> Tensor:
+    """``t`` in the dtype and strides of ``like`` (``(shape, stride, dtype)``): ``t`` itself when it has them, else
+    a copy (for ``t`` None, an uninitialised tensor of that layout: an absent output, empty)."""
+    shape, stride, dtype = like
+    if t is not None and t.dtype == dtype and t.stride() == stride:
         return t
-    out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
+    out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
     return out if t is None else out.copy_(t)
 
 
@@ -69,8 +80,8 @@ def conv_fwd(
         cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, chunk_size=chunk_size,
         layout_fallback=layout_fallback,
     )
-    want_y, want_state = _fwd_fake(*_meta(x, weight, bias, residual, initial_state, cu_seqlens, cu_seqlens_cpu,
-                                          chunk_indices, output_final_state, activation, chunk_size, layout_fallback))
+    want_y, want_state = _wanted(_fwd_fake, x, weight, bias, residual, initial_state, cu_seqlens, cu_seqlens_cpu,
+                                 chunk_indices, output_final_state, activation, chunk_size, layout_fallback)
     return _as(y, want_y, x.device), _as(final_state, want_state, x.device)
 
 
@@ -95,8 +106,8 @@ def conv_bwd(
         initial_state=initial_state, activation=activation, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         chunk_indices=chunk_indices, chunk_size=chunk_size, layout_fallback=layout_fallback,
     )
-    want = _bwd_fake(*_meta(x, dy, dht, weight, bias, has_residual, initial_state, cu_seqlens, cu_seqlens_cpu,
-                            chunk_indices, activation, chunk_size, layout_fallback))
+    want = _wanted(_bwd_fake, x, dy, dht, weight, bias, has_residual, initial_state, cu_seqlens, cu_seqlens_cpu,
+                   chunk_indices, activation, chunk_size, layout_fallback)
     return tuple(_as(got, w, x.device) for got, w in zip((dx, dw, db, dh0), want))
 
 
@@ -119,8 +130,8 @@ def norm_fwd(
         x=x, g=g, weight=weight, bias=bias, activation=activation, eps=eps, residual=residual, out_dtype=out_dtype,
         residual_dtype=residual_dtype, is_rms_norm=is_rms_norm,
     )
-    want = _norm_fwd_fake(*_meta(x, g, weight, bias, activation, eps, residual, out_dtype, residual_dtype,
-                                 is_rms_norm))
+    want = _wanted(_norm_fwd_fake, x, g, weight, bias, activation, eps, residual, out_dtype, residual_dtype,
+                   is_rms_norm)
     got = (y, mean, rstd, None if _norm_keeps_x(x, residual, residual_dtype) else residual_out)
     return tuple(_as(t, w, x.device) for t, w in zip(got, want))
 
@@ -154,8 +165,8 @@ def norm_bwd(
         recompute_output=recompute_output,
     )
     dx, dg, dw, db, dres = out[:5]
-    want = _norm_bwd_fake(*_meta(dy, x, g, weight, bias, activation, eps, mean, rstd, dresidual, has_residual,
-                                 is_rms_norm, x_dtype, recompute_output))
+    want = _wanted(_norm_bwd_fake, dy, x, g, weight, bias, activation, eps, mean, rstd, dresidual, has_residual,
+                   is_rms_norm, x_dtype, recompute_output)
     got = (dx, dg, dw, db, None if _norm_reuses_dx(x, has_residual, x_dtype) else dres,
            out[5] if recompute_output else None)
     return tuple(_as(t, w, x.device) for t, w in zip(got, want))
