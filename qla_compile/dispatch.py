@@ -20,6 +20,7 @@ import importlib.util
 import inspect
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -143,19 +144,42 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: G
     Hopper forward's context-parallel cache (``kernels.chunk_gdr_fwd_hopper_aux``; sized as
     :func:`cp_cache_like`, filled when the forward split; empty when ``for_backward`` is false, which also
     picks the forward-only splitting rule)."""
+    return forward_keeping(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, for_backward)[0]
+
+
+class Activated(NamedTuple):
+    """The Hopper kernels' inputs of one call: q and k (L2-normalised where asked), v, contiguous; the fp32 log
+    gate and beta; q's and k's rows' rstd (fp32 ``[B*T*H]``; None without the norm)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    q_rstd: torch.Tensor | None
+    k_rstd: torch.Tensor | None
+
+
+def forward_keeping(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions,
+                    for_backward=True):
+    """``(output, activated)``: :func:`forward`'s output and, for a Hopper call with the Triton activations, the
+    kernels' inputs (:class:`Activated`), which :func:`backward_activated` takes instead of recomputing them
+    (else None)."""
     impl = select(q, k, v)
     if impl == "fla" and _keeps_fla_aux(opts, for_backward):
         return (*_fla_leaf_forward(q, k, v, g, beta, initial_state, cu_seqlens, opts),
-                q.new_empty(0, dtype=torch.float32))
+                q.new_empty(0, dtype=torch.float32)), None
     if impl != "hopper":
         run = _fla_forward if impl == "fla" else chunk_gdr_fwd_reference
         o, ht = run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
-        return o, ht, *aux_like(q, k, v, cu_seqlens), q.new_empty(0, dtype=torch.float32)
-    qa, ka, ga, ba, _ = _activated(q, k, g, beta, A_log, dt_bias, opts)
+        return (o, ht, *aux_like(q, k, v, cu_seqlens), q.new_empty(0, dtype=torch.float32)), None
+    act = _activated(q, k, v, g, beta, A_log, dt_bias, opts)
     o, ht, tt, gb, _, cp_cache = _kernels().chunk_gdr_fwd_hopper_aux(
-        qa, ka, v, ga, ba, opts.scale, _state_to_kv(initial_state, opts), cu_seqlens, for_backward=for_backward,
+        act.q, act.k, act.v, act.g, act.beta, opts.scale, _state_to_kv(initial_state, opts), cu_seqlens,
+        for_backward=for_backward,
     )
-    return o, (ht.mT.contiguous() if opts.state_v_first else ht), tt.view(-1), gb.view(-1), cp_cache
+    output = o, (ht.mT.contiguous() if opts.state_v_first else ht), tt.view(-1), gb.view(-1), cp_cache
+    return output, (act if input_activations() is not None else None)
 
 
 def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions, aux=None):
@@ -167,43 +191,61 @@ def backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlen
     if impl != "hopper":
         run = _fla_backward if impl == "fla" else chunk_gdr_bwd_reference
         return run(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
+    act = _activated(q, k, v, g, beta, A_log, dt_bias, opts)
+    return _hopper_backward(do, dht, act, (q, k), g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, aux)
+
+
+def backward_activated(do, dht, act: Activated, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                       opts: GDROptions, aux=None):
+    """:func:`backward` of a Hopper call from its kernels' inputs as :func:`forward_keeping` kept them (``g``,
+    ``beta``: the raw ones), without recomputing them."""
+    select(act.q, act.k, act.v)  # counted as every backward is
+    return _hopper_backward(do, dht, act, None, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, aux)
+
+
+def _hopper_backward(do, dht, act: Activated, qk, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                     opts: GDROptions, aux):
+    """The Hopper backward from the kernels' inputs ``act``, then the activations' (``qk``: the raw q and k,
+    which the activations' backward as torch ops reads)."""
     from .kernels.backward import chunk_gdr_bwd_hopper
 
     if aux is not None:
-        h_v = v.shape[2]
+        h_v = act.v.shape[2]
         aux = (aux[0].view(-1, h_v, CHUNK, CHUNK), aux[1].view(-1, h_v, 2, CHUNK), aux[2])
-
-    qa, ka, ga, ba, acts = _activated(q, k, g, beta, A_log, dt_bias, opts)
     dqa, dka, dv, dga, dba, dh0 = chunk_gdr_bwd_hopper(
-        do.contiguous(), _state_to_kv(dht, opts), qa, ka, v, ga, ba, opts.scale,
+        do.contiguous(), _state_to_kv(dht, opts), act.q, act.k, act.v, act.g, act.beta, opts.scale,
         _state_to_kv(initial_state, opts), cu_seqlens, aux=aux,
     )
+    acts = input_activations()
     if acts is None:
         dq, dk, dg, dbeta, dA_log, ddt_bias = activation_bwd(
-            q, k, g, beta, A_log, dt_bias, opts, dqa.float(), dka.float(), dga.float(), dba.float()
+            *qk, g, beta, A_log, dt_bias, opts, dqa.float(), dka.float(), dga.float(), dba.float()
         )
     else:
-        dq, dk = acts.l2norm_bwd((q, dqa), (k, dka)) if opts.use_qk_l2norm_in_kernel else (dqa, dka)
+        dq, dk = (acts.l2norm_bwd((act.q, act.q_rstd, dqa), (act.k, act.k_rstd, dka))
+                  if opts.use_qk_l2norm_in_kernel else (dqa, dka))
         dg, dbeta, dA_log, ddt_bias = acts.gates_bwd(g, beta, A_log, dt_bias, opts, dga, dba)
     if dh0 is not None:
         dh0 = (dh0.mT if opts.state_v_first else dh0).contiguous().to(initial_state.dtype)
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
 
 
-def _activated(q, k, g, beta, A_log, dt_bias, opts: GDROptions):
-    """``(q, k, g, beta, acts)``: the inputs as the Hopper kernels take them (q/k L2-normalised where asked, fp32
-    gates), by :func:`input_activations` (``acts``), or by torch ops where that is None (such a call is
+def _activated(q, k, v, g, beta, A_log, dt_bias, opts: GDROptions) -> Activated:
+    """The inputs as the Hopper kernels take them, by :func:`input_activations` (q/k normalised and v made
+    contiguous in one launch, the gates in another), or by torch ops where that is None (such a call is
     counted)."""
     acts = input_activations()
     if acts is None:
         _choices["hopper", "the input activations as torch ops (Triton does not import)"] += 1
-        norm, gates = (lambda q, k: (l2norm_fp32(q), l2norm_fp32(k))), functools.partial(activate_gates,
-                                                                                       dtype=torch.float32)
-    else:
-        norm, gates = acts.l2norm, acts.gates  # q and k in one launch
+        if opts.use_qk_l2norm_in_kernel:
+            q, k = l2norm_fp32(q), l2norm_fp32(k)
+        return Activated(q, k, v, *activate_gates(g, beta, A_log, dt_bias, opts, torch.float32), None, None)
+    q_rstd = k_rstd = None
     if opts.use_qk_l2norm_in_kernel:
-        q, k = norm(q, k)
-    return (q, k, *gates(g, beta, A_log, dt_bias, opts), acts)
+        (q, k), (q_rstd, k_rstd), v = acts.l2norm(q, k, copy=v)
+    else:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return Activated(q, k, v, *acts.gates(g, beta, A_log, dt_bias, opts), q_rstd, k_rstd)
 
 
 @functools.cache

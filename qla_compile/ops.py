@@ -82,11 +82,15 @@ _N_FLAGS = 6  # scale and the five booleans after cu_seqlens
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags = inputs  # then for_backward
+    _keep(ctx, inputs[:9], inputs[9:], output)  # q .. cu_seqlens, then the flags and for_backward
+
+
+def _keep(ctx, saved, flags, output):
+    """Saves ``saved`` and the forward's aux for the backward, and the flags."""
     _, _, tt, gb, cp_cache = output
     ctx.mark_non_differentiable(tt, gb, cp_cache)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the aux (nor for an unused o or final state)
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, tt, gb, cp_cache)
+    ctx.save_for_backward(*saved, tt, gb, cp_cache)
     ctx.flags = flags[:_N_FLAGS]
 
 
@@ -100,8 +104,13 @@ def _input_grads(ctx, do, dht, eager: bool):
         grads = dispatch.backward(do, dht, *inputs, GDROptions(*ctx.flags), (tt, gb, cp_cache))
     else:
         grads = chunk_gdr_bwd(do, dht, *inputs, *ctx.flags, tt, gb, cp_cache)
-    tensor_grads = tuple(None if x is None else d for x, d in zip(inputs[:8], grads))
-    return tensor_grads + (None,) * (2 + _N_FLAGS)
+    return _returned(inputs[:8], grads)
+
+
+def _returned(inputs, grads):
+    """The gradients of the present ones of ``inputs`` (q .. initial_state), None for absent ones and for
+    cu_seqlens, the flags and for_backward."""
+    return tuple(None if x is None else d for x, d in zip(inputs, grads)) + (None,) * (2 + _N_FLAGS)
 
 
 def _backward(ctx, do, dht, _dtt, _dgb, _dcp):
@@ -118,19 +127,29 @@ def _profiled(name: str):
 
 class EagerChunkGDR(torch.autograd.Function):
     """``qla::chunk_gdr_fwd`` and its backward for eager calls, without the custom-op dispatch around them:
-    the same forward, saved tensors and backward (``dispatch``), about 60 us less host time per forward on a CPU
-    core (an eager layer at batch 1 waits on its host). Profiled under the ops' names. Traced calls keep the ops
-    (``api.op_call``)."""
+    the same forward and backward (``dispatch``), about 60 us less host time per forward on a CPU core (an eager
+    layer at batch 1 waits on its host). On the Hopper path it keeps the kernels' inputs (``dispatch.Activated``:
+    q and k normalised, v contiguous, the activated gates, the norms' rstd) instead of the raw ones, so the
+    backward recomputes no activation and copies nothing (as FLA's layer keeps its normalised q and k). Profiled
+    under the ops' names. Traced calls keep the ops (``api.op_call``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags):
         with _profiled("qla::chunk_gdr_fwd"):
-            output = dispatch.forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                                      GDROptions(*flags[:_N_FLAGS]), flags[_N_FLAGS])
-        _setup_context(ctx, (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags), output)
+            output, act = dispatch.forward_keeping(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                                                   GDROptions(*flags[:_N_FLAGS]), flags[_N_FLAGS])
+        rest = (g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        _keep(ctx, (q, k, v, *rest) if act is None else (*act, *rest), flags, output)
+        ctx.activated = act is not None
         return output
 
     @staticmethod
     def backward(ctx, do, dht, _dtt, _dgb, _dcp):
         with _profiled("qla::chunk_gdr_bwd"):
-            return _input_grads(ctx, do, dht, eager=True)
+            if not ctx.activated:
+                return _input_grads(ctx, do, dht, eager=True)
+            saved = ctx.saved_tensors  # Activated's seven, g .. cu_seqlens, tt, gb, cp_cache
+            act, rest = dispatch.Activated(*saved[:7]), saved[7:13]
+            do = torch.zeros_like(act.v) if do is None else do
+            grads = dispatch.backward_activated(do, dht, act, *rest, GDROptions(*ctx.flags), saved[13:])
+            return _returned((act.q, act.k, act.v, *rest[:5]), grads)

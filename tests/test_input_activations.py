@@ -37,20 +37,37 @@ for name, x in cases:
     xr = x.double().requires_grad_()
     ref = l2norm(xr)
     (ref * dy.double()).sum().backward()
-    (y,), (dx,) = acts.l2norm(x), acts.l2norm_bwd((x, dy))
+    (y,), (rstd,), _ = acts.l2norm(x)
+    (dx,) = acts.l2norm_bwd((y, rstd, dy))
+    # dx is formed from the rounded y (as FLA's is): exactly rstd (dy - y (dy . y)) of that y, rounded once; each
+    # y_j off by up to a unit u of y_j moves it by up to u rstd |y_i| (|dy . y| + sum_j |dy_j y_j|) from the
+    # true gradient
+    rstd_exact = torch.rsqrt((xr.detach() ** 2).sum(-1, keepdim=True) + 1e-6)
+    yd, dyd = y.double(), dy.double()
+    of_y = rstd_exact * (dyd - yd * (dyd * yd).sum(-1, keepdim=True))
+    moved = 2 * rstd_exact * yd.abs() * (dyd * yd).abs().sum(-1, keepdim=True)
+    dx_err = ((dx.double() - xr.grad).abs() / (moved + xr.grad.abs())).max().item() if x.numel() else 0.0
     out[name] = dict(contiguous=y.is_contiguous() and dx.is_contiguous(), dtype=str(y.dtype) + str(dx.dtype),
                      shape=list(y.shape) == list(x.shape) == list(dx.shape), y=err(y, ref.detach()),
-                     dx=err(dx, xr.grad), want_dtype=str(x.dtype) * 2)
-# q and k in one launch (slices of one fused projection), and a pair of two layouts (one launch each): the
-# same values as one at a time
+                     rstd=err(rstd.view(rstd_exact.shape), rstd_exact), dx_of_y=err(dx, of_y), dx=dx_err,
+                     want_dtype=str(x.dtype) * 2)
+# q and k in one launch (slices of one fused projection) with v copied contiguous in it, and a pair of two
+# layouts (one launch each): the same values as one at a time; v's copy exact, v already contiguous not copied
 pairs = {}
+v_fused = fused[..., 1024:].unflatten(-1, (2, 256))
 for name, (a, b) in {"one-launch": (fused[..., :512], fused[..., 512:1024]),
                      "two-layouts": (fused[..., :512], fused[..., :512].contiguous()[:, 5:])}.items():
     a, b = (t.unflatten(-1, (4, 128)) for t in (a, b))
+    v = v_fused[:, :a.shape[1]]
     da, db = torch.randn(a.shape).to(a.dtype), torch.randn(b.shape).to(b.dtype)
-    single = acts.l2norm(a) + acts.l2norm(b) + acts.l2norm_bwd((a, da)) + acts.l2norm_bwd((b, db))
-    paired = acts.l2norm(a, b) + acts.l2norm_bwd((a, da), (b, db))
-    pairs[name] = all(torch.equal(s, p) for s, p in zip(single, paired))
+    (ya,), (ra,), _ = acts.l2norm(a)
+    (yb,), (rb,), _ = acts.l2norm(b)
+    single = (ya, yb, ra, rb, *acts.l2norm_bwd((ya, ra, da)), *acts.l2norm_bwd((yb, rb, db)), v)
+    ys, rstds, copied = acts.l2norm(a, b, copy=v)
+    paired = (*ys, *rstds, *acts.l2norm_bwd((ys[0], rstds[0], da), (ys[1], rstds[1], db)), copied)
+    pairs[name] = all(torch.equal(s, p) for s, p in zip(single, paired)) and copied.is_contiguous()
+vc = v_fused.contiguous()
+pairs["v-contiguous"] = acts.l2norm(fused[..., :512].unflatten(-1, (4, 128)), copy=vc)[2] is vc
 out["pairs"] = pairs
 gates = {}
 # FLA's layer options, over gate inputs from -30 to 30 (softplus' tails) and a strided beta
@@ -86,7 +103,7 @@ def test_triton_activations_match_float64_forward_and_backward():
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     gates = results.pop("gates")
-    assert results.pop("pairs") == {"one-launch": True, "two-layouts": True}
+    assert results.pop("pairs") == {"one-launch": True, "two-layouts": True, "v-contiguous": True}
     assert set(results) == {"fused-slice", "padded-batch", "d96-fp16", "empty"}
     assert len(gates) == 4
     for name, r in gates.items():
@@ -99,4 +116,88 @@ def test_triton_activations_match_float64_forward_and_backward():
         # computed in fp32 and rounded once to the half dtype: half a unit in the last place (fp16: 2^-11
         # relative), plus fp32's error; a whole unit for bf16 (2^-7), which the interpreter rounds by truncating
         unit = 2.0 ** -7 if "bfloat16" in r["want_dtype"] else 2.0 ** -11
-        assert r["y"] < 1.05 * unit and r["dx"] < 1.05 * unit, (name, r)
+        assert r["y"] < 1.05 * unit and r["dx_of_y"] < 1.05 * unit and r["dx"] < 1.05 * unit, (name, r)
+        assert r["rstd"] < 1e-6, (name, r)  # fp32
+
+
+EAGER_PATH = r"""
+import json, sys, types, torch
+sys.path.insert(0, "tests")
+from gdn_inputs import make_inputs, outputs_and_grads, rel_err
+from qla_compile import api, dispatch
+from qla_compile.kernels import backward as hopper_backward, input_activations as acts
+from qla_compile.reference import GDROptions, chunk_gdr_bwd_reference, chunk_gdr_fwd_reference, recurrent_gdr_reference
+
+seen = {"fwd_v": [], "bwd_v": [], "calls": []}
+
+def fwd(q, k, v, g, beta, scale, h0, cu, for_backward=True):  # the Hopper forward's contract, by the reference
+    seen["fwd_v"].append((v.data_ptr(), v.is_contiguous(), q.is_contiguous() and k.is_contiguous()))
+    o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, None, None, h0, cu, GDROptions(scale))
+    return o, ht, v.new_empty(0), v.new_empty(0), None, v.new_empty(0)
+
+def bwd(do, dht, q, k, v, g, beta, scale, h0, cu, aux=None):
+    seen["bwd_v"].append((v.data_ptr(), v.is_contiguous()))
+    dq, dk, dv, dg, db, _, _, dh0 = chunk_gdr_bwd_reference(do, dht, q, k, v, g, beta, None, None, h0, cu,
+                                                            GDROptions(scale))
+    return dq, dk, dv, dg, db, dh0
+
+def counted(name, fn):
+    def call(*a, **kw):
+        seen["calls"].append(name)
+        return fn(*a, **kw)
+    return call
+
+dispatch._kernels = lambda: types.SimpleNamespace(unsupported=lambda q, k, v: None, chunk_gdr_fwd_hopper_aux=fwd,
+                                                  cp_cache_numel=lambda *a: 0)
+hopper_backward.chunk_gdr_bwd_hopper = bwd
+for name in ("l2norm", "gates"):
+    setattr(acts, name, counted(name, getattr(acts, name)))
+
+# FLA's layer call: q, k, v slices of one fused projection, raw gates, beta logits, a V-first initial state
+kw = make_inputs(B=1, T=100, H=2, HV=4, K=32, V=32, initial_state=True, l2norm=True, gate_in_kernel=True,
+                 beta_sigmoid=True, state_v_first=True, seed=3)
+fused = torch.cat([kw["q"].flatten(2), kw["k"].flatten(2), kw["v"].flatten(2)], -1).to(torch.bfloat16)
+q, k, v = (t.unflatten(-1, (-1, 32)) for t in fused.split([64, 64, 128], -1))
+names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"]
+flags = {n: x for n, x in kw.items() if n not in names}
+args = [q, k, v] + [kw[n] for n in names[3:]]
+
+def ours(*a):
+    return api.chunk_gated_delta_rule(*a[:5], initial_state=a[7], output_final_state=True, A_log=a[5],
+                                      dt_bias=a[6], **flags)
+
+def oracle(*a):
+    a = [x.double() for x in a]
+    return recurrent_gdr_reference(*a[:5], initial_state=a[7], output_final_state=True, A_log=a[5],
+                                   dt_bias=a[6], **flags)
+
+outs, grads = outputs_and_grads(ours, args)
+calls_fwd = list(seen["calls"])
+ref_outs, ref_grads = outputs_and_grads(oracle, args)
+print(json.dumps(dict(
+    errors={n: rel_err(x, r) for n, x, r in zip(["o", "ht"] + names, outs + list(grads), ref_outs + list(ref_grads))},
+    calls_fwd=calls_fwd, calls_bwd=seen["calls"][len(calls_fwd):],
+    v_copied=seen["fwd_v"][0][0] != v.data_ptr() and seen["fwd_v"][0][1] and seen["fwd_v"][0][2],
+    bwd_same_v=seen["bwd_v"] == [seen["fwd_v"][0][:2]],
+    choices={f"{i}: {w}": n for (i, w), n in dispatch.choices().items()})))
+"""
+
+
+def test_eager_hopper_path_keeps_the_activated_inputs_for_its_backward():
+    """``ops.EagerChunkGDR`` on the Hopper path (its kernels stood in for by the reference, the activations by
+    Triton's interpreter), called as FLA's layer calls it: outputs and every gradient as the float64 oracle's,
+    v made contiguous once in the forward and handed as is to the backward, no activation run again there."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), fla_pythonpath()]))
+    if not (FLA_DIR / "triton").exists():
+        pytest.skip("Triton is not in .sidepkgs/fla")
+    proc = subprocess.run([sys.executable, "-c", EAGER_PATH], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["calls_fwd"] == ["l2norm", "gates"] and r["calls_bwd"] == [], r
+    assert r["v_copied"] and r["bwd_same_v"], r
+    assert list(r["choices"]) == ["hopper: our Hopper kernels (SM90, bf16/fp16, K = V = 128)"], r
+    assert r["choices"]["hopper: our Hopper kernels (SM90, bf16/fp16, K = V = 128)"] == 2, r
+    # bf16 q, k, v (rounded once from the oracle's inputs' values) and bf16 o and gradients
+    for name, e in r["errors"].items():
+        assert e < 2e-2, (name, r["errors"])

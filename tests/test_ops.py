@@ -132,13 +132,13 @@ def test_compile_dynamic_hopper_aux(varlen, dynamic, monkeypatch):
 def test_forward_is_told_whether_a_backward_follows(monkeypatch):
     """The op keeps its backward's context-parallel cache only when autograd will call that backward."""
     seen = []
-    real = dispatch.forward
+    real = dispatch.forward_keeping  # what the op's forward and eager calls' forward run
 
     def forward(*args):
         seen.append(args[-1])
         return real(*args)
 
-    monkeypatch.setattr(dispatch, "forward", forward)
+    monkeypatch.setattr(dispatch, "forward_keeping", forward)
     kw = _fresh(70)
     chunk_gated_delta_rule(**kw)
     with torch.no_grad():

@@ -1,10 +1,11 @@
 """The input activations of eager Hopper calls as fused Triton passes in fp32, forward and backward: the L2 norm
 of q and k, FLA's gate activation and beta's sigmoid (the math of ``reference.activate`` / ``activation_bwd``).
 
-* :func:`l2norm`: ``x * rsqrt(sum(x^2) + 1e-6)`` over the last dim, read from a strided ``[B, T, H, D]`` view
-  (the split of a fused qkv projection) and written contiguous in ``x``'s dtype, as the TileLang kernels take
-  it; :func:`l2norm_bwd` reads ``x`` and the gradient of the normalised rows and recomputes the norm instead of
-  keeping it. In torch ops each is five to eight passes over fp32 copies.
+* :func:`l2norm`: ``x * rsqrt(sum(x^2) + 1e-6)`` over the last dim of q and k, read from strided ``[B, T, H, D]``
+  views (the split of a fused qkv projection) and written contiguous in their dtype, as the TileLang kernels take
+  them, with each row's rstd; v, the third slice of that projection, is made contiguous in the same launch.
+  :func:`l2norm_bwd` takes the normalised rows, their rstd and their gradient (FLA's layer keeps the same). In
+  torch ops each is five to eight passes over fp32 copies.
 * :func:`gates` / :func:`gates_bwd`: ``g <- -exp(A_log) * softplus(g + dt_bias)`` and ``beta <- sigmoid(beta)``
   (doubled with ``allow_neg_eigval``) in one launch each way instead of a dozen small ops.
 
@@ -31,52 +32,68 @@ def _rows(pid, n_rows, heads, stride_t, stride_h, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _l2norm_rows(x_ptr, y_ptr, pid, n_rows, heads, stride_t, stride_h, eps, D: tl.constexpr,
+def _l2norm_rows(x_ptr, y_ptr, r_ptr, pid, n_rows, heads, stride_t, stride_h, eps, D: tl.constexpr,
                  BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     rows, live, src = _rows(pid, n_rows, heads, stride_t, stride_h, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (cols[None, :] < D)
     x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) + eps)
-    y = x * rstd[:, None]
-    tl.store(y_ptr + rows[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows[:, None] * D + cols[None, :], (x * rstd[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(r_ptr + rows, rstd, mask=live)
 
 
 @triton.jit
-def _l2norm_bwd_rows(x_ptr, dy_ptr, dx_ptr, pid, n_rows, heads, stride_t, stride_h, eps, D: tl.constexpr,
-                     BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+def _copy_rows(x_ptr, y_ptr, pid, n_rows, heads, stride_t, stride_h, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               ROWS: tl.constexpr):
     rows, live, src = _rows(pid, n_rows, heads, stride_t, stride_h, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (cols[None, :] < D)
+    tl.store(y_ptr + rows[:, None] * D + cols[None, :], tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask),
+             mask=mask)
+
+
+@triton.jit
+def _l2norm_fwd(x0_ptr, y0_ptr, r0_ptr, x1_ptr, y1_ptr, r1_ptr, per_x, n_rows, heads, stride_t, stride_h,
+                c_ptr, co_ptr, n_c_rows, c_heads, c_stride_t, c_stride_h, eps, D: tl.constexpr,
+                BLOCK_D: tl.constexpr, DC: tl.constexpr, BLOCK_DC: tl.constexpr, N_X: tl.constexpr,
+                ROWS: tl.constexpr):
+    """Programs ``[0, per_x)`` normalise x0 into y0 (rstd into r0), with ``N_X == 2`` the next ``per_x`` x1
+    into y1 (q and k in one launch), the rest copy c into co (v made contiguous in the same launch)."""
+    pid = tl.program_id(0)
+    if pid < per_x:
+        _l2norm_rows(x0_ptr, y0_ptr, r0_ptr, pid, n_rows, heads, stride_t, stride_h, eps, D, BLOCK_D, ROWS)
+    elif N_X == 2 and pid < 2 * per_x:
+        _l2norm_rows(x1_ptr, y1_ptr, r1_ptr, pid - per_x, n_rows, heads, stride_t, stride_h, eps, D, BLOCK_D,
+                     ROWS)
+    else:
+        _copy_rows(c_ptr, co_ptr, pid - N_X * per_x, n_c_rows, c_heads, c_stride_t, c_stride_h, DC, BLOCK_DC,
+                   ROWS)
+
+
+@triton.jit
+def _l2norm_bwd_rows(y_ptr, r_ptr, dy_ptr, dx_ptr, pid, n_rows, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                     ROWS: tl.constexpr):
+    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    live = rows < n_rows
+    mask = live[:, None] & (cols[None, :] < D)
     dense = rows[:, None] * D + cols[None, :]
-    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + dense, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + dense, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) + eps)
-    y = x * rstd[:, None]
+    rstd = tl.load(r_ptr + rows, mask=live, other=0.0)
     dx = rstd[:, None] * (dy - y * tl.sum(dy * y, axis=1)[:, None])
     tl.store(dx_ptr + dense, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _l2norm_fwd(x0_ptr, y0_ptr, x1_ptr, y1_ptr, per_tensor, n_rows, heads, stride_t, stride_h, eps,
+def _l2norm_bwd(y0_ptr, r0_ptr, dy0_ptr, dx0_ptr, y1_ptr, r1_ptr, dy1_ptr, dx1_ptr, per_x, n_rows,
                 D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
-    """Programs ``[0, per_tensor)`` normalise x0 into y0, the rest x1 into y1 (q and k in one launch)."""
     pid = tl.program_id(0)
-    if pid < per_tensor:
-        _l2norm_rows(x0_ptr, y0_ptr, pid, n_rows, heads, stride_t, stride_h, eps, D, BLOCK_D, ROWS)
+    if pid < per_x:
+        _l2norm_bwd_rows(y0_ptr, r0_ptr, dy0_ptr, dx0_ptr, pid, n_rows, D, BLOCK_D, ROWS)
     else:
-        _l2norm_rows(x1_ptr, y1_ptr, pid - per_tensor, n_rows, heads, stride_t, stride_h, eps, D, BLOCK_D, ROWS)
-
-
-@triton.jit
-def _l2norm_bwd(x0_ptr, dy0_ptr, dx0_ptr, x1_ptr, dy1_ptr, dx1_ptr, per_tensor, n_rows, heads, stride_t, stride_h,
-                eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
-    pid = tl.program_id(0)
-    if pid < per_tensor:
-        _l2norm_bwd_rows(x0_ptr, dy0_ptr, dx0_ptr, pid, n_rows, heads, stride_t, stride_h, eps, D, BLOCK_D, ROWS)
-    else:
-        _l2norm_bwd_rows(x1_ptr, dy1_ptr, dx1_ptr, pid - per_tensor, n_rows, heads, stride_t, stride_h, eps, D,
-                         BLOCK_D, ROWS)
+        _l2norm_bwd_rows(y1_ptr, r1_ptr, dy1_ptr, dx1_ptr, pid - per_x, n_rows, D, BLOCK_D, ROWS)
 
 
 def _on(device):
@@ -96,38 +113,53 @@ def _strided_rows(x):
     return x, x.stride(1), x.stride(2)
 
 
-def _launch(kernel, pairs):
-    """``kernel`` over the rows of one or two tensors of one shape and layout (``pairs``: per tensor, ``x`` and
-    the extra inputs), in one launch; the outputs, contiguous in ``x``'s dtype."""
-    rows = [_strided_rows(pair[0]) for pair in pairs]
-    if len(pairs) == 2 and (rows[0][1:] != rows[1][1:] or rows[0][0].shape != rows[1][0].shape):
-        return _launch(kernel, pairs[:1]) + _launch(kernel, pairs[1:])  # layouts differ: one launch each
+def l2norm(*xs: torch.Tensor, copy: torch.Tensor | None = None):
+    """The L2-normalised rows of one or two tensors ``[B, T, H, D]`` (q and k: one launch where they share a shape
+    and layout), computed in fp32, contiguous, in their dtypes; with ``copy`` (v, ``[B, T, H', D']``) also that
+    tensor made contiguous in the same launch. Returns ``(ys, rstds, copied)``: each row's ``rsqrt(sum(x^2) +
+    eps)`` fp32 ``[B*T*H]`` (what :func:`l2norm_bwd` takes) and the copy (None without ``copy``)."""
+    rows = [_strided_rows(x) for x in xs]
+    if len(xs) == 2 and (rows[0][1:] != rows[1][1:] or rows[0][0].shape != rows[1][0].shape):
+        (y0,), (r0,), copied = l2norm(xs[0], copy=copy)  # layouts differ: one launch each
+        (y1,), (r1,), _ = l2norm(xs[1])
+        return (y0, y1), (r0, r1), copied
     x, stride_t, stride_h = rows[0]
     B, T, H, D = x.shape
     n_rows = B * T * H
-    outs = tuple(torch.empty(x.shape, device=x.device, dtype=x.dtype) for _ in pairs)
-    groups = [(r[0], *pair[1:], out) for r, pair, out in zip(rows, pairs, outs)]
-    if len(groups) == 1:
-        groups *= 2  # the kernel's second tensor: no program is launched for it
-    args = [a for group in groups for a in group]
-    per_tensor = triton.cdiv(n_rows, _ROWS)
-    if n_rows:
+    ys = tuple(torch.empty(x.shape, device=x.device, dtype=x.dtype) for _ in xs)
+    rstds = tuple(torch.empty(n_rows, device=x.device, dtype=torch.float32) for _ in xs)
+    c, copied = x, None  # no copy: a spare for its arguments, never read
+    if copy is not None:
+        c = _strided_rows(copy)[0]
+        copied = c if c.is_contiguous() else torch.empty(c.shape, device=c.device, dtype=c.dtype)
+    n_c_rows = 0 if copied is None or copied is c else c.shape[0] * c.shape[1] * c.shape[2]
+    per_x = triton.cdiv(n_rows, _ROWS)
+    grid = per_x * len(xs) + triton.cdiv(n_c_rows, _ROWS)
+    args = [a for (x_i, _, _), y, rstd in zip(rows, ys, rstds) for a in (x_i, y, rstd)]
+    if grid:
         with _on(x.device):
-            kernel[(per_tensor * len(pairs),)](*args, per_tensor, n_rows, H, stride_t, stride_h, L2NORM_EPS, D=D,
-                                               BLOCK_D=triton.next_power_of_2(D), ROWS=_ROWS, num_warps=4)
-    return outs
+            _l2norm_fwd[(grid,)](*(args * 2)[:6], per_x, n_rows, H, stride_t, stride_h, c,
+                                 c if copied is None else copied, n_c_rows, c.shape[2], c.stride(1), c.stride(2),
+                                 L2NORM_EPS, D=D, BLOCK_D=triton.next_power_of_2(D), DC=c.shape[3],
+                                 BLOCK_DC=triton.next_power_of_2(c.shape[3]), N_X=len(xs), ROWS=_ROWS, num_warps=4)
+    return ys, rstds, copied
 
 
-def l2norm(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The L2-normalised rows of each of one or two tensors ``[B, T, H, D]`` (q and k: one launch where they
-    share a shape and layout), computed in fp32, contiguous, in their dtypes."""
-    return _launch(_l2norm_fwd, [(x,) for x in xs])
-
-
-def l2norm_bwd(*pairs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The gradients of :func:`l2norm` at each ``x`` given ``dy`` (its output's gradient), for one or two pairs
-    ``(x, dy)``, contiguous, in ``x``'s dtype."""
-    return _launch(_l2norm_bwd, [(x, dy.contiguous()) for x, dy in pairs])
+def l2norm_bwd(*triples: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The gradients of :func:`l2norm`'s inputs, for one or two triples ``(y, rstd, dy)`` of its output, its rstd
+    and the output's gradient (two of one shape: one launch), contiguous, in ``y``'s dtype."""
+    if len(triples) == 2 and triples[0][0].shape != triples[1][0].shape:
+        return l2norm_bwd(triples[0]) + l2norm_bwd(triples[1])
+    y = triples[0][0]
+    n_rows, D = y.numel() // y.shape[-1], y.shape[-1]
+    dxs = tuple(torch.empty(y.shape, device=y.device, dtype=y.dtype) for _ in triples)
+    args = [a for (y, rstd, dy), dx in zip(triples, dxs) for a in (y, rstd, dy.contiguous(), dx)]
+    per_x = triton.cdiv(n_rows, _ROWS)
+    if n_rows:
+        with _on(y.device):
+            _l2norm_bwd[(per_x * len(triples),)](*args, *args[-4:] * (2 - len(triples)), per_x, n_rows, D=D,
+                                                 BLOCK_D=triton.next_power_of_2(D), ROWS=_ROWS, num_warps=4)
+    return dxs
 
 
 @triton.jit
@@ -220,7 +252,7 @@ def gates_bwd(g, beta, A_log, dt_bias, opts: GDROptions, dga, dba):
                                                           da, **_gate_args(g, dt_bias, opts))
     dA_log = ddt_bias = None
     if opts.use_gate_in_kernel:
-        dA_log = da.view(-1, g.shape[-1]).double().sum(0).to(A_log.dtype)
+        dA_log = da.view(-1, g.shape[-1]).sum(0, dtype=torch.float64).to(A_log.dtype)
         if dt_bias is not None:
-            ddt_bias = dg.view(-1, g.shape[-1]).double().sum(0).to(dt_bias.dtype)
+            ddt_bias = dg.view(-1, g.shape[-1]).sum(0, dtype=torch.float64).to(dt_bias.dtype)
     return dg.to(g.dtype), db, dA_log, ddt_bias
