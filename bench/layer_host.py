@@ -3,8 +3,8 @@
 For FLA's ``GatedDeltaNet`` (``bench_layer.build``) at one length, per path (``fla``: our FLA backend off,
 ``qla-eager``: on, ``qla-compiled``: under ``qla_compile.backend``): the host ms of one step (the time until
 ``step()`` returns, the GPU kept idle before it, so that no launch waits on a full queue), the device-to-host
-synchronisations it makes (``torch.cuda.set_sync_debug_mode``), dynamo's graphs and breaks, and for our two paths
-a ``cProfile`` of ten steps (top functions by own time and by cumulative time).
+synchronisations it makes (``torch.cuda.set_sync_debug_mode``), dynamo's graphs and breaks, and a ``cProfile``
+of ten steps (top functions by own time and by cumulative time).
 
     python bench/layer_host.py --out $OUT [--layer fla-128x32] [--T 8192]
 """
@@ -90,9 +90,8 @@ def main():
             rows.append(dict(layer=args.layer, T=args.T, op=op, path=path, host_ms=round(host_ms(step), 3),
                              syncs=syncs(step), graphs=graphs, graph_breaks=breaks))
             print(json.dumps(rows[-1]), flush=True)
-            if path != "fla":
-                for sort in ("tottime", "cumulative"):
-                    report.append(f"## {op} {path}, 10 steps, by {sort}\n" + profile_text(step, sort, lines=40))
+            for sort in ("tottime", "cumulative"):
+                report.append(f"## {op} {path}, 10 steps, by {sort}\n" + profile_text(step, sort, lines=40))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "layer-host.json"), "w") as f:
         json.dump(rows, f, indent=1)
