@@ -6,10 +6,10 @@ registry), ``qla-compiled`` (``torch.compile(layer, backend=qla_compile.backend)
 so ``fla`` is FLA's own Triton path. Layers (hidden 2048, bf16, batch 1): ``fla-128x16`` and ``fla-128x32``
 (K = V = 128 with 16 qk-heads and 16 or 32 v-heads), ``fla-default`` (FLA's defaults: 6 heads, K 256, V 512) and
 ``hf-qwen3next`` (16 qk / 32 v heads x 128). Per row the median ms of the layer's forward (no grad) or forward +
-backward (of ``out.float().square().mean()``), from one profiled step the time of all its kernels and of the GDN
-op's own (its top kernels go to ``latest-layer-profiles.json`` and the log), the graphs and graph breaks dynamo
-counted while compiling (``qla-compiled``), the median ms of the same step
-replayed as one CUDA graph (``graph_ms``: the GPU's time without Python and launch overhead; ``None`` where
+backward (of ``out.float().square().mean()``; the paths timed in turns, :func:`interleaved_ms`), from one
+profiled step the time of all its kernels and of the GDN op's own (its top kernels go to
+``latest-layer-profiles.json`` and the log), the graphs and graph breaks dynamo counted while compiling
+(``qla-compiled``), the median ms of the same step replayed as one CUDA graph (``graph_ms``: the GPU's time without Python and launch overhead; ``None`` where
 capture fails, with the reason in the log), and the relative L2 of the output against the ``fla`` path.
 
     python bench/bench_layer.py --out $OUT [--layers ...] [--lengths 8192,32768] [--ops fwd,fwd+bwd] [--paths ...]
@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 
 os.environ.setdefault("FLA_FLASH_QLA", "0")
@@ -68,6 +69,33 @@ def step_fn(fn, layer, x, op):
     return step
 
 
+def _use(path):
+    """Our FLA backend on for our paths, off for ``fla`` (FLA reads the variable on every call)."""
+    os.environ["FLA_QLA_COMPILE"] = "0" if path == "fla" else "1"
+
+
+def interleaved_ms(steps, reps, rounds):
+    """Median ms per step of each of ``steps`` (path -> step), timed ``reps`` steps back to back per round, the
+    paths taking turns within each round (in an order that rotates), so that the host's and the GPU's drift over
+    a run falls on every path alike."""
+    times = {path: [] for path in steps}
+    order = list(steps)
+    for r in range(rounds):
+        for path in order[r % len(order):] + order[:r % len(order)]:
+            _use(path)
+            step = steps[path]
+            step()  # the previous path's queue drained into this one's first step, not timed
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+            times[path].append(start.elapsed_time(end) / reps)
+    return {path: statistics.median(t) for path, t in times.items()}
+
+
 def graph_ms(step, reps, rounds):
     """Median ms of ``step`` captured once as a CUDA graph and replayed, or None (the reason printed) where the
     step cannot be captured."""
@@ -98,8 +126,8 @@ def main():
     ap.add_argument("--lengths", default="8192,32768")
     ap.add_argument("--ops", default="fwd,fwd+bwd")
     ap.add_argument("--paths", default=",".join(PATHS), help="fla (always, the baseline), qla-eager, qla-compiled")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args()
     import qla_compile
     from torch._dynamo.utils import counters
@@ -113,25 +141,30 @@ def main():
             x = torch.randn(1, T, 2048, device="cuda", dtype=torch.bfloat16,
                             generator=torch.Generator("cuda").manual_seed(T))
             for op in args.ops.split(","):
-                ref = None
-                for path in [p for p in PATHS if p == "fla" or p in args.paths.split(",")]:
-                    os.environ["FLA_QLA_COMPILE"] = "0" if path == "fla" else "1"
+                paths = [p for p in PATHS if p == "fla" or p in args.paths.split(",")]
+                steps, found = {}, {}
+                for path in paths:
+                    _use(path)
                     torch._dynamo.reset()
                     fn = torch.compile(layer, backend=qla_compile.backend) if path == "qla-compiled" else layer
-                    step = step_fn(fn, layer, x, op)
+                    steps[path] = step_fn(fn, layer, x, op)
                     breaks0, graphs0 = dynamo_counts()
                     reasons0 = dict(counters["graph_break"])
-                    out = step().float()
+                    out = steps[path]().float()
                     breaks, graphs = (a - b for a, b in zip(dynamo_counts(), (breaks0, graphs0)))
                     for reason, n in counters["graph_break"].items():
                         if n > reasons0.get(reason, 0):
                             print(f"  graph break x{n - reasons0.get(reason, 0)}: {' '.join(reason.split())[:300]}")
-                    ref = out if path == "fla" else ref
-                    step()
-                    ms = median_ms(step, args.reps, args.rounds)
+                    steps[path]()
+                    found[path] = (out, graphs, breaks)
+                wall = interleaved_ms(steps, args.reps, args.rounds)
+                ref = found["fla"][0]
+                for path in paths:
+                    _use(path)
+                    step, (out, graphs, breaks) = steps[path], found[path]
                     gdn_ms, kernels_ms, top, gdn_top = profile_step(step)
                     g_ms = graph_ms(step, args.reps, args.rounds)
-                    rows.append(dict(layer=name, K=k, V=v, T=T, op=op, path=path, ms=round(ms, 3),
+                    rows.append(dict(layer=name, K=k, V=v, T=T, op=op, path=path, ms=round(wall[path], 3),
                                      graph_ms=None if g_ms is None else round(g_ms, 3), graphs=graphs,
                                      graph_breaks=breaks,
                                      gdn_ms=round(gdn_ms, 3), kernels_ms=round(kernels_ms, 3),
@@ -140,6 +173,7 @@ def main():
                     print(json.dumps(rows[-1]), flush=True)
                     print("  top kernels (ms):", "; ".join(f"{n[:60]} {t}" for n, t in top[:8]), flush=True)
                     print("  in the GDN op (ms):", "; ".join(f"{n[:60]} {t}" for n, t in gdn_top), flush=True)
+                del steps, found
         del layer
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
