@@ -119,6 +119,24 @@ def _out(result):
     return result[0] if isinstance(result, tuple) else result
 
 
+def markdown(rows, meta):
+    """The results table (ratios against the ``fla`` row of the same layer, length and op), as lines."""
+    lines = [f"# Layer level, {meta['gpu']}, {datetime.date.today().isoformat()}", "",
+             "Versions: " + ", ".join(f"{a} {b}" for a, b in meta.items()), "",
+             "| layer | K/V | T | op | path | ms | fla / path | graph ms | fla / path (graph) | kernels ms | GDN op ms | "
+             "fla GDN / path GDN | graphs / breaks | out vs fla |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["layer"], r["T"], r["op"]): r for r in rows if r["path"] == "fla"}
+    for r in rows:
+        b = base[(r["layer"], r["T"], r["op"])]
+        gdn = f"{b['gdn_ms'] / r['gdn_ms']:.2f}" if r["gdn_ms"] else "-"
+        graph = f"{b['graph_ms'] / r['graph_ms']:.2f}" if r["graph_ms"] and b["graph_ms"] else "-"
+        lines.append(f"| {r['layer']} | {r['K']}/{r['V']} | {r['T']} | {r['op']} | {r['path']} | {r['ms']} | "
+                     f"{b['ms'] / r['ms']:.2f} | {r['graph_ms'] or '-'} | {graph} | {r['kernels_ms']} | {r['gdn_ms']} | "
+                     f"{gdn} | {r['graphs']} / {r['graph_breaks']} | {r['out_vs_fla']} |")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
@@ -181,20 +199,7 @@ def main():
         json.dump(rows, f, indent=1)
     with open(os.path.join(args.out, "latest-layer-profiles.json"), "w") as f:
         json.dump(profiles, f, indent=1)
-    meta = versions()
-    lines = [f"# Layer level, {meta['gpu']}, {datetime.date.today().isoformat()}", "",
-             "Versions: " + ", ".join(f"{a} {b}" for a, b in meta.items()), "",
-             "| layer | K/V | T | op | path | ms | fla / path | graph ms | fla / path (graph) | kernels ms | GDN op ms | "
-             "fla GDN / path GDN | graphs / breaks | out vs fla |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    base = {(r["layer"], r["T"], r["op"]): r for r in rows if r["path"] == "fla"}
-    for r in rows:
-        b = base[(r["layer"], r["T"], r["op"])]
-        gdn = f"{b['gdn_ms'] / r['gdn_ms']:.2f}" if r["gdn_ms"] else "-"
-        graph = f"{b['graph_ms'] / r['graph_ms']:.2f}" if r["graph_ms"] and b["graph_ms"] else "-"
-        lines.append(f"| {r['layer']} | {r['K']}/{r['V']} | {r['T']} | {r['op']} | {r['path']} | {r['ms']} | "
-                     f"{b['ms'] / r['ms']:.2f} | {r['graph_ms'] or '-'} | {graph} | {r['kernels_ms']} | {r['gdn_ms']} | "
-                     f"{gdn} | {r['graphs']} / {r['graph_breaks']} | {r['out_vs_fla']} |")
+    lines = markdown(rows, versions())
     with open(os.path.join(args.out, f"{datetime.date.today().isoformat()}-layer.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
