@@ -20,11 +20,14 @@ from qla_compile.kernels import input_activations as acts
 from qla_compile.reference import GDROptions, activate_gates, l2norm
 torch.manual_seed(0)
 out = {}
-# (name, x): a slice of a fused projection (rows of a token strided), a view the rows cannot address (copied),
-# a head dim that is not a power of two, and nothing at all
+# (name, x): a slice of a fused projection (rows of a token strided), a slice of transformers' convolution
+# output ([B, C, T] transposed: a row's elements T apart, tokens adjacent), a batch of padded sequences, a head
+# dim that is not a power of two, and nothing at all
 fused = torch.randn(2, 37, 3 * 4 * 128).to(torch.bfloat16)
+conv_out = torch.randn(2, 3 * 4 * 128, 37).to(torch.bfloat16).transpose(1, 2)
 cases = [
     ("fused-slice", fused[..., 512:1024].unflatten(-1, (4, 128))),
+    ("transposed-slice", conv_out[..., 512:1024].reshape(2, 37, 4, 128)),
     ("padded-batch", torch.randn(3, 40, 2, 128).to(torch.bfloat16)[:, :29]),
     ("d96-fp16", torch.randn(1, 9, 3, 96).to(torch.float16)),
     ("empty", torch.randn(1, 0, 2, 128).to(torch.bfloat16)),
@@ -54,11 +57,12 @@ for name, x in cases:
 # q and k in one launch (slices of one fused projection) with v copied contiguous in it, and a pair of two
 # layouts (one launch each): the same values as one at a time; v's copy exact, v already contiguous not copied
 pairs = {}
-v_fused = fused[..., 1024:].unflatten(-1, (2, 256))
-for name, (a, b) in {"one-launch": (fused[..., :512], fused[..., 512:1024]),
-                     "two-layouts": (fused[..., :512], fused[..., :512].contiguous()[:, 5:])}.items():
-    a, b = (t.unflatten(-1, (4, 128)) for t in (a, b))
-    v = v_fused[:, :a.shape[1]]
+for name, (a, b, v_all) in {
+        "one-launch": (fused[..., :512], fused[..., 512:1024], fused[..., 1024:]),
+        "one-launch-transposed": (conv_out[..., :512], conv_out[..., 512:1024], conv_out[..., 1024:]),
+        "two-layouts": (fused[..., :512], fused[..., :512].contiguous()[:, 5:], fused[..., 1024:])}.items():
+    a, b = (t.reshape(*t.shape[:2], 4, 128) for t in (a, b))
+    v = v_all[:, :a.shape[1]].reshape(2, a.shape[1], 2, 256)
     da, db = torch.randn(a.shape).to(a.dtype), torch.randn(b.shape).to(b.dtype)
     (ya,), (ra,), _ = acts.l2norm(a)
     (yb,), (rb,), _ = acts.l2norm(b)
@@ -66,7 +70,7 @@ for name, (a, b) in {"one-launch": (fused[..., :512], fused[..., 512:1024]),
     ys, rstds, copied = acts.l2norm(a, b, copy=v)
     paired = (*ys, *rstds, *acts.l2norm_bwd((ys[0], rstds[0], da), (ys[1], rstds[1], db)), copied)
     pairs[name] = all(torch.equal(s, p) for s, p in zip(single, paired)) and copied.is_contiguous()
-vc = v_fused.contiguous()
+vc = fused[..., 1024:].unflatten(-1, (2, 256)).contiguous()
 pairs["v-contiguous"] = acts.l2norm(fused[..., :512].unflatten(-1, (4, 128)), copy=vc)[2] is vc
 out["pairs"] = pairs
 gates = {}
@@ -103,8 +107,9 @@ def test_triton_activations_match_float64_forward_and_backward():
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     gates = results.pop("gates")
-    assert results.pop("pairs") == {"one-launch": True, "two-layouts": True, "v-contiguous": True}
-    assert set(results) == {"fused-slice", "padded-batch", "d96-fp16", "empty"}
+    assert results.pop("pairs") == {"one-launch": True, "one-launch-transposed": True, "two-layouts": True,
+                                    "v-contiguous": True}
+    assert set(results) == {"fused-slice", "transposed-slice", "padded-batch", "d96-fp16", "empty"}
     assert len(gates) == 4
     for name, r in gates.items():
         # fp32 results (the gates, dA_log and ddt_bias sums) to fp32's precision; dg and dbeta rounded once to bf16

@@ -2,8 +2,9 @@
 of q and k, FLA's gate activation and beta's sigmoid (the math of ``reference.activate`` / ``activation_bwd``).
 
 * :func:`l2norm`: ``x * rsqrt(sum(x^2) + 1e-6)`` over the last dim of q and k, read from strided ``[B, T, H, D]``
-  views (the split of a fused qkv projection) and written contiguous in their dtype, as the TileLang kernels take
-  them, with each row's rstd; v, the third slice of that projection, is made contiguous in the same launch.
+  views (the split of a fused qkv projection, or of transformers' transposed convolution output) and written
+  contiguous in their dtype, as the TileLang kernels take them, with each row's rstd; v, the third slice of that
+  projection, is made contiguous in the same launch.
   :func:`l2norm_bwd` takes the normalised rows, their rstd and their gradient (FLA's layer keeps the same). In
   torch ops each is five to eight passes over fp32 copies.
 * :func:`gates` / :func:`gates_bwd`: ``g <- -exp(A_log) * softplus(g + dt_bias)`` and ``beta <- sigmoid(beta)``
@@ -26,49 +27,60 @@ _BLOCK = 1024  # gate elements per program
 
 
 @triton.jit
-def _rows(pid, n_rows, heads, stride_t, stride_h, ROWS: tl.constexpr):
+def _rows(pid, n_rows, heads, seq_len, stride_b, stride_t, stride_h, HEAD_MAJOR: tl.constexpr, ROWS: tl.constexpr):
+    """A program's rows ``(token, head)`` of a strided ``[B, T, H, D]`` tensor: their index in the dense
+    ``[B*T*H, D]`` output, whether they exist, their offsets in the tensor. Rows go token by token, or head by
+    head (``HEAD_MAJOR``) where tokens lie closer together than a row's elements (a transposed ``[B, D, T]``
+    convolution output), so that a program reads neighbouring tokens."""
     rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    return rows, rows < n_rows, (rows // heads) * stride_t + (rows % heads) * stride_h
+    if HEAD_MAJOR:
+        n_tok = n_rows // heads
+        head, tok = rows // n_tok, rows % n_tok
+    else:
+        tok, head = rows // heads, rows % heads
+    src = (tok // seq_len) * stride_b + (tok % seq_len) * stride_t + head * stride_h
+    return tok * heads + head, rows < n_rows, src
 
 
 @triton.jit
-def _l2norm_rows(x_ptr, y_ptr, r_ptr, pid, n_rows, heads, stride_t, stride_h, eps, D: tl.constexpr,
-                 BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
-    rows, live, src = _rows(pid, n_rows, heads, stride_t, stride_h, ROWS)
+def _l2norm_rows(x_ptr, y_ptr, r_ptr, pid, n_rows, heads, seq_len, stride_b, stride_t, stride_h, stride_d, eps,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_MAJOR: tl.constexpr, ROWS: tl.constexpr):
+    rows, live, src = _rows(pid, n_rows, heads, seq_len, stride_b, stride_t, stride_h, HEAD_MAJOR, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (cols[None, :] < D)
-    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + src[:, None] + cols[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) + eps)
     tl.store(y_ptr + rows[:, None] * D + cols[None, :], (x * rstd[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(r_ptr + rows, rstd, mask=live)
 
 
 @triton.jit
-def _copy_rows(x_ptr, y_ptr, pid, n_rows, heads, stride_t, stride_h, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               ROWS: tl.constexpr):
-    rows, live, src = _rows(pid, n_rows, heads, stride_t, stride_h, ROWS)
+def _copy_rows(x_ptr, y_ptr, pid, n_rows, heads, seq_len, stride_b, stride_t, stride_h, stride_d, D: tl.constexpr,
+               BLOCK_D: tl.constexpr, HEAD_MAJOR: tl.constexpr, ROWS: tl.constexpr):
+    rows, live, src = _rows(pid, n_rows, heads, seq_len, stride_b, stride_t, stride_h, HEAD_MAJOR, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (cols[None, :] < D)
-    tl.store(y_ptr + rows[:, None] * D + cols[None, :], tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask),
-             mask=mask)
+    tl.store(y_ptr + rows[:, None] * D + cols[None, :],
+             tl.load(x_ptr + src[:, None] + cols[None, :] * stride_d, mask=mask), mask=mask)
 
 
 @triton.jit
-def _l2norm_fwd(x0_ptr, y0_ptr, r0_ptr, x1_ptr, y1_ptr, r1_ptr, per_x, n_rows, heads, stride_t, stride_h,
-                c_ptr, co_ptr, n_c_rows, c_heads, c_stride_t, c_stride_h, eps, D: tl.constexpr,
-                BLOCK_D: tl.constexpr, DC: tl.constexpr, BLOCK_DC: tl.constexpr, N_X: tl.constexpr,
-                ROWS: tl.constexpr):
+def _l2norm_fwd(x0_ptr, y0_ptr, r0_ptr, x1_ptr, y1_ptr, r1_ptr, per_x, n_rows, heads, seq_len, stride_b, stride_t,
+                stride_h, stride_d, c_ptr, co_ptr, n_c_rows, c_heads, c_stride_b, c_stride_t, c_stride_h, c_stride_d,
+                eps, D: tl.constexpr, BLOCK_D: tl.constexpr, DC: tl.constexpr, BLOCK_DC: tl.constexpr,
+                N_X: tl.constexpr, HEAD_MAJOR: tl.constexpr, C_HEAD_MAJOR: tl.constexpr, ROWS: tl.constexpr):
     """Programs ``[0, per_x)`` normalise x0 into y0 (rstd into r0), with ``N_X == 2`` the next ``per_x`` x1
     into y1 (q and k in one launch), the rest copy c into co (v made contiguous in the same launch)."""
     pid = tl.program_id(0)
     if pid < per_x:
-        _l2norm_rows(x0_ptr, y0_ptr, r0_ptr, pid, n_rows, heads, stride_t, stride_h, eps, D, BLOCK_D, ROWS)
+        _l2norm_rows(x0_ptr, y0_ptr, r0_ptr, pid, n_rows, heads, seq_len, stride_b, stride_t, stride_h, stride_d,
+                     eps, D, BLOCK_D, HEAD_MAJOR, ROWS)
     elif N_X == 2 and pid < 2 * per_x:
-        _l2norm_rows(x1_ptr, y1_ptr, r1_ptr, pid - per_x, n_rows, heads, stride_t, stride_h, eps, D, BLOCK_D,
-                     ROWS)
+        _l2norm_rows(x1_ptr, y1_ptr, r1_ptr, pid - per_x, n_rows, heads, seq_len, stride_b, stride_t, stride_h,
+                     stride_d, eps, D, BLOCK_D, HEAD_MAJOR, ROWS)
     else:
-        _copy_rows(c_ptr, co_ptr, pid - N_X * per_x, n_c_rows, c_heads, c_stride_t, c_stride_h, DC, BLOCK_DC,
-                   ROWS)
+        _copy_rows(c_ptr, co_ptr, pid - N_X * per_x, n_c_rows, c_heads, seq_len, c_stride_b, c_stride_t,
+                   c_stride_h, c_stride_d, DC, BLOCK_DC, C_HEAD_MAJOR, ROWS)
 
 
 @triton.jit
@@ -104,44 +116,40 @@ def _on(device):
     return torch.cuda.device(device)
 
 
-def _strided_rows(x):
-    """``(x, stride of a token, stride of a head)`` with x addressable as rows ``(token, head)`` of unit-stride
-    elements (copied contiguous only where it is not)."""
-    B, T, H, D = x.shape
-    if x.stride(3) != 1 or (B > 1 and x.stride(0) != T * x.stride(1)):
-        x = x.contiguous()
-    return x, x.stride(1), x.stride(2)
+def _head_major(x) -> bool:
+    """Whether :func:`_rows` should take ``x``'s rows head by head: its tokens lie closer than its elements."""
+    return x.stride(1) < x.stride(3)
 
 
 def l2norm(*xs: torch.Tensor, copy: torch.Tensor | None = None):
-    """The L2-normalised rows of one or two tensors ``[B, T, H, D]`` (q and k: one launch where they share a shape
-    and layout), computed in fp32, contiguous, in their dtypes; with ``copy`` (v, ``[B, T, H', D']``) also that
-    tensor made contiguous in the same launch. Returns ``(ys, rstds, copied)``: each row's ``rsqrt(sum(x^2) +
-    eps)`` fp32 ``[B*T*H]`` (what :func:`l2norm_bwd` takes) and the copy (None without ``copy``)."""
-    rows = [_strided_rows(x) for x in xs]
-    if len(xs) == 2 and (rows[0][1:] != rows[1][1:] or rows[0][0].shape != rows[1][0].shape):
+    """The L2-normalised rows of one or two tensors ``[B, T, H, D]`` of any strides (q and k: one launch where
+    they share a shape and strides), computed in fp32, contiguous, in their dtypes; with ``copy`` (v,
+    ``[B, T, H', D']``) also that tensor made contiguous in the same launch (returned as is where it is).
+    Returns ``(ys, rstds, copied)``: each row's ``rsqrt(sum(x^2) + eps)`` fp32 ``[B*T*H]`` (what
+    :func:`l2norm_bwd` takes) and the copy (None without ``copy``)."""
+    if len(xs) == 2 and (xs[0].shape != xs[1].shape or xs[0].stride() != xs[1].stride()):
         (y0,), (r0,), copied = l2norm(xs[0], copy=copy)  # layouts differ: one launch each
         (y1,), (r1,), _ = l2norm(xs[1])
         return (y0, y1), (r0, r1), copied
-    x, stride_t, stride_h = rows[0]
+    x = xs[0]
     B, T, H, D = x.shape
     n_rows = B * T * H
     ys = tuple(torch.empty(x.shape, device=x.device, dtype=x.dtype) for _ in xs)
     rstds = tuple(torch.empty(n_rows, device=x.device, dtype=torch.float32) for _ in xs)
-    c, copied = x, None  # no copy: a spare for its arguments, never read
-    if copy is not None:
-        c = _strided_rows(copy)[0]
-        copied = c if c.is_contiguous() else torch.empty(c.shape, device=c.device, dtype=c.dtype)
+    c = x if copy is None else copy  # no copy: a spare for its arguments, never read
+    copied = None if copy is None else (c if c.is_contiguous() else torch.empty(c.shape, device=c.device,
+                                                                               dtype=c.dtype))
     n_c_rows = 0 if copied is None or copied is c else c.shape[0] * c.shape[1] * c.shape[2]
     per_x = triton.cdiv(n_rows, _ROWS)
     grid = per_x * len(xs) + triton.cdiv(n_c_rows, _ROWS)
-    args = [a for (x_i, _, _), y, rstd in zip(rows, ys, rstds) for a in (x_i, y, rstd)]
+    args = [a for x_i, y, rstd in zip(xs, ys, rstds) for a in (x_i, y, rstd)]
     if grid:
         with _on(x.device):
-            _l2norm_fwd[(grid,)](*(args * 2)[:6], per_x, n_rows, H, stride_t, stride_h, c,
-                                 c if copied is None else copied, n_c_rows, c.shape[2], c.stride(1), c.stride(2),
-                                 L2NORM_EPS, D=D, BLOCK_D=triton.next_power_of_2(D), DC=c.shape[3],
-                                 BLOCK_DC=triton.next_power_of_2(c.shape[3]), N_X=len(xs), ROWS=_ROWS, num_warps=4)
+            _l2norm_fwd[(grid,)](*(args * 2)[:6], per_x, n_rows, H, T, *x.stride(), c,
+                                 c if copied is None else copied, n_c_rows, c.shape[2], *c.stride(), L2NORM_EPS,
+                                 D=D, BLOCK_D=triton.next_power_of_2(D), DC=c.shape[3],
+                                 BLOCK_DC=triton.next_power_of_2(c.shape[3]), N_X=len(xs),
+                                 HEAD_MAJOR=_head_major(x), C_HEAD_MAJOR=_head_major(c), ROWS=_ROWS, num_warps=4)
     return ys, rstds, copied
 
 
