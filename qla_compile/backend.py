@@ -4,9 +4,8 @@ Two mechanisms, both before AOTAutograd so that training differentiates through 
 
 * **Front door** (``passes/frontdoor.py``): dynamo substitutions for the known eager GDN functions, so they
   trace as one ``qla`` op with a dynamic length.  Registration is global to the process and idempotent;
-  each function is registered as its module is imported (``frontdoor.install``), and every backend call
-  registers what else was imported since.  A graph traced before its registration is still fused by the FX
-  pass.
+  each function is registered as its module is imported (``frontdoor.install``), whatever the backend.  A
+  function the front door does not know (remote code, a fork) is fused by the FX pass.
 * **FX pass** (``passes/fuse.py``): on each graph dynamo hands over, proves and fuses GDN written any other
   way.  Then Inductor compiles the result (with ``inductor_compat``'s fixes for dynamic shapes).
 """
@@ -20,7 +19,6 @@ import torch
 from torch import fx
 
 from .inductor_compat import dynamic_config, dynamic_shape_fixes
-from .passes import frontdoor
 from .passes.fuse import fuse_gdn_regions
 from .passes.report import GraphReport
 
@@ -39,19 +37,16 @@ class QlaBackend:
     """
 
     def __init__(self, inductor: bool = True, mode: str | None = None, options: dict[str, Any] | None = None,
-                 fx_pass: bool = True, front_door: bool = True):
+                 fx_pass: bool = True):
         self.inductor = inductor
         self.mode = mode
         self.options = dict(options or {})
         self.fx_pass = fx_pass
-        self.front_door = front_door
         self.reports: list[GraphReport] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs, mode: str | None = None,
                  options: dict[str, Any] | None = None):
         start = time.perf_counter()
-        if self.front_door:  # for the next traces: this graph is already traced
-            frontdoor.refresh()
         report = GraphReport(index=len(self.reports), nodes_before=len(gm.graph.nodes))
         self.reports.append(report)
         if self.fx_pass:
@@ -75,11 +70,11 @@ class QlaBackend:
 
     def __repr__(self) -> str:
         return (f"QlaBackend(inductor={self.inductor}, mode={self.mode!r}, options={self.options}, "
-                f"fx_pass={self.fx_pass}, front_door={self.front_door})")
+                f"fx_pass={self.fx_pass})")
 
 
 def make_backend(inductor: bool = True, mode: str | None = None, options: dict[str, Any] | None = None,
-                 fx_pass: bool = True, front_door: bool = True) -> QlaBackend:
+                 fx_pass: bool = True) -> QlaBackend:
     """A backend with options.
 
     Args:
@@ -87,11 +82,10 @@ def make_backend(inductor: bool = True, mode: str | None = None, options: dict[s
             debugging and quick compiles).
         mode, options: Inductor's ``torch.compile(mode=..., options=...)``, which a custom backend does not
             receive from ``torch.compile`` itself.
-        fx_pass: run the FX pass that proves and fuses GDN regions.
-        front_door: register dynamo substitutions for newly imported GDN modules at each compile.
-            Substitutions registered earlier in the process stay active regardless.
+        fx_pass: run the FX pass that proves and fuses GDN regions. (The front door's substitutions of known GDN
+            functions are registered as their modules import, for every backend: ``qla_compile.frontdoor``.)
     """
-    return QlaBackend(inductor=inductor, mode=mode, options=options, fx_pass=fx_pass, front_door=front_door)
+    return QlaBackend(inductor=inductor, mode=mode, options=options, fx_pass=fx_pass)
 
 
 backend = make_backend()

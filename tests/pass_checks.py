@@ -17,7 +17,7 @@ NAMES = ("q", "k", "v", "g", "beta")
 def compiled(fn, args, differentiable=True):
     """Outputs and gradients (``outputs_and_grads``) of ``fn`` compiled with the backend, and the pass's report."""
     torch._dynamo.reset()
-    backend = qb.make_backend(inductor=False, front_door=False)
+    backend = qb.make_backend(inductor=False)
     outs, grads = outputs_and_grads(torch.compile(fn, backend=backend, fullgraph=True), args, differentiable)
     (report,) = backend.reports
     assert report.pass_seconds <= PASS_BUDGET_SECONDS, report.summary()

@@ -97,7 +97,7 @@ def test_qwen3_5_matches_eager(front_door, monkeypatch):
         copy = types.FunctionType(fn.__code__, fn.__globals__, "copied", fn.__defaults__, fn.__closure__)
         monkeypatch.setattr(m, "torch_chunk_gated_delta_rule", copy)
     model = tiny_qwen3_5()  # modeling_qwen3_5 imported after qla_compile: registered as dynamo starts compiling
-    backend = qb.make_backend(inductor=False, front_door=front_door)
+    backend = qb.make_backend(inductor=False)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend)
     ids = torch.randint(0, 96, (1, 70), generator=torch.Generator().manual_seed(0))

@@ -17,7 +17,7 @@ def _copy(fn):
 
 
 def _fuse(fn, args, dynamic=False):
-    backend = qb.make_backend(inductor=False, front_door=False)
+    backend = qb.make_backend(inductor=False)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
     return compiled(*args), backend.reports
 

@@ -84,7 +84,7 @@ def _head_major_inputs(seed):
 
 def _compile(fn, args):
     torch._dynamo.reset()
-    backend = qb.make_backend(inductor=False, front_door=False)
+    backend = qb.make_backend(inductor=False)
     out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
     (report,) = backend.reports
     return out, report
@@ -153,7 +153,7 @@ def test_the_pass_stops_at_its_time_budget(monkeypatch):
     monkeypatch.setattr(fuse, "PASS_BUDGET_SECONDS", 0.0)
     args, kw = _head_major_inputs(seed=7)
     torch._dynamo.reset()
-    backend = qb.make_backend(inductor=False, front_door=False)
+    backend = qb.make_backend(inductor=False)
     out = torch.compile(gdn_head_major_einsum, backend=backend, fullgraph=True)(*args)
     (report,) = backend.reports
     assert [r.status for r in report.regions] == ["rejected"], report.summary()

@@ -40,7 +40,6 @@ _lock = threading.Lock()
 _registering = threading.local()  # .active: this thread is inside register_substitutions
 _registered: dict[int, tuple[object, str]] = {}  # id(original) -> (original kept alive, "module.attribute")
 _routes: dict[str, tuple[types.FunctionType, object]] = {}  # route key -> (the original's own body, substitute)
-_modules_seen = -1
 
 
 def _unwrap_chain(fn):
@@ -173,14 +172,6 @@ def _register_on_import() -> None:
     """:func:`register_substitutions` for a module just imported, unless a registration imported it (that one
     registers it, and names it in what it returns)."""
     if not getattr(_registering, "active", False):
-        register_substitutions()
-
-
-def refresh() -> None:
-    """Cheap per-call hook: register newly imported modules' functions when ``sys.modules`` has grown."""
-    global _modules_seen
-    if len(sys.modules) != _modules_seen:
-        _modules_seen = len(sys.modules)
         register_substitutions()
 
 

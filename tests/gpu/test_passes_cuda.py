@@ -77,7 +77,7 @@ def test_unseen_form_is_proven_and_fused_on_cuda(name, reference_on_cuda):
     want, want_grads = outputs_and_grads(oracle, [x.double() for x in args])
     eager, eager_grads = outputs_and_grads(fn, args)
     torch._dynamo.reset()
-    backend = qb.make_backend(inductor=False, front_door=False)
+    backend = qb.make_backend(inductor=False)
     ran_before = dispatch.choices()
     got, got_grads = outputs_and_grads(torch.compile(fn, backend=backend, fullgraph=True), args)
     (report,) = backend.reports
