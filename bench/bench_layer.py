@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import rel_l2, versions  # noqa: E402
-from bench.model import dynamo_counts, median_ms, profile_step  # noqa: E402
+from bench.model import dynamo_counts, events_ms, median_ms, profile_step  # noqa: E402
 
 PATHS = ("fla", "qla-eager", "qla-compiled")
 LAYERS = ("fla-128x16", "fla-128x32", "fla-default", "hf-qwen3next")
@@ -83,16 +83,9 @@ def interleaved_ms(steps, reps, rounds):
     for r in range(rounds):
         for path in order[r % len(order):] + order[:r % len(order)]:
             _use(path)
-            step = steps[path]
-            step()  # the previous path's queue drained into this one's first step, not timed
+            steps[path]()  # the previous path's queue drained into this one's first step, not timed
             torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                step()
-            end.record()
-            torch.cuda.synchronize()
-            times[path].append(start.elapsed_time(end) / reps)
+            times[path].append(events_ms(steps[path], reps))
     return {path: statistics.median(t) for path, t in times.items()}
 
 

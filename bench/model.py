@@ -102,19 +102,21 @@ def step_fn(model, fn, ids, kind, cuda_graphs):
     return step
 
 
-def median_ms(step, reps, rounds):
+def events_ms(step, reps):
+    """ms per step of ``reps`` steps back to back, between two CUDA events."""
     import torch
 
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def median_ms(step, reps, rounds):
+    return statistics.median(events_ms(step, reps) for _ in range(rounds))
 
 
 def dynamo_counts():
