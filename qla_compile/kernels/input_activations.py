@@ -48,7 +48,7 @@ def _l2norm_rows(x_ptr, y_ptr, r_ptr, pid, n_rows, heads, seq_len, stride_b, str
     rows, live, src = _rows(pid, n_rows, heads, seq_len, stride_b, stride_t, stride_h, HEAD_MAJOR, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (cols[None, :] < D)
-    x = tl.load(x_ptr + src[:, None] + cols[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + src[:, None] + cols[None, :].to(tl.int64) * stride_d, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) + eps)
     tl.store(y_ptr + rows[:, None] * D + cols[None, :], (x * rstd[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(r_ptr + rows, rstd, mask=live)
@@ -61,7 +61,7 @@ def _copy_rows(x_ptr, y_ptr, pid, n_rows, heads, seq_len, stride_b, stride_t, st
     cols = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (cols[None, :] < D)
     tl.store(y_ptr + rows[:, None] * D + cols[None, :],
-             tl.load(x_ptr + src[:, None] + cols[None, :] * stride_d, mask=mask), mask=mask)
+             tl.load(x_ptr + src[:, None] + cols[None, :].to(tl.int64) * stride_d, mask=mask), mask=mask)
 
 
 @triton.jit
