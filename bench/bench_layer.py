@@ -9,8 +9,9 @@ so ``fla`` is FLA's own Triton path. Layers (hidden 2048, bf16, batch 1): ``fla-
 backward (of ``out.float().square().mean()``; the paths timed in turns, :func:`interleaved_ms`), from one
 profiled step the time of all its kernels and of the GDN op's own (its top kernels go to
 ``latest-layer-profiles.json`` and the log), the graphs and graph breaks dynamo counted while compiling
-(``qla-compiled``), the median ms of the same step replayed as one CUDA graph (``graph_ms``: the GPU's time without Python and launch overhead; ``None`` where
-capture fails, with the reason in the log), and the relative L2 of the output against the ``fla`` path.
+(``qla-compiled``), the median ms of the same step replayed as one CUDA graph (``graph_ms``: the GPU's time
+without Python and launch overhead; ``None`` where capture fails, with the reason in the log), and the relative
+L2 of the output against the ``fla`` path.
 
     python bench/bench_layer.py --out $OUT [--layers ...] [--lengths 8192,32768] [--ops fwd,fwd+bwd] [--paths ...]
 """
