@@ -161,11 +161,11 @@ def l2norm_bwd(*triples: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tup
     y = triples[0][0]
     n_rows, D = y.numel() // y.shape[-1], y.shape[-1]
     dxs = tuple(torch.empty(y.shape, device=y.device, dtype=y.dtype) for _ in triples)
-    args = [a for (y, rstd, dy), dx in zip(triples, dxs) for a in (y, rstd, dy.contiguous(), dx)]
+    args = [a for (y_i, rstd, dy), dx in zip(triples, dxs) for a in (y_i, rstd, dy.contiguous(), dx)]
     per_x = triton.cdiv(n_rows, _ROWS)
     if n_rows:
         with _on(y.device):
-            _l2norm_bwd[(per_x * len(triples),)](*args, *args[-4:] * (2 - len(triples)), per_x, n_rows, D=D,
+            _l2norm_bwd[(per_x * len(triples),)](*(args * 2)[:8], per_x, n_rows, D=D,
                                                  BLOCK_D=triton.next_power_of_2(D), ROWS=_ROWS, num_warps=4)
     return dxs
 
