@@ -21,11 +21,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 VOCAB = 256
 
 
-def _config(family):
+def _config(family, **overrides):
     common = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
                   linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
                   layer_types=["linear_attention", "full_attention", "linear_attention"])
+    common.update(overrides)
     if family == "qwen3_next":
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -35,8 +36,8 @@ def _config(family):
     return Qwen3_5ForCausalLM, Qwen3_5TextConfig(**common)
 
 
-def _model(family, dtype=torch.bfloat16):
-    cls, cfg = _config(family)
+def _model(family, dtype=torch.bfloat16, **overrides):
+    cls, cfg = _config(family, **overrides)
     torch.manual_seed(0)
     return cls(cfg).to("cuda", dtype)
 
@@ -175,8 +176,9 @@ def test_eager_model_trains_on_our_op_with_transformers_layout(family):
     """Eagerly, our op behind transformers' GDN call (as FLA's registry puts it there): q, k and v arrive as
     slices of the transposed convolution output (a row's elements a sequence length apart), which the L2-norm
     launch reads as they are; logits and gradients are as close to an fp32 model as transformers' own bf16
-    PyTorch GDN's (within 2x, or 1e-2)."""
-    model = _model(family)
+    PyTorch GDN's (within 2x, or 1e-2). As many value heads as key heads: with more, transformers repeats q and k
+    into contiguous copies and only v would arrive strided."""
+    model = _model(family, linear_num_value_heads=2)
     ref_model = copy.deepcopy(model).float()
     ids = torch.randint(0, VOCAB, (2, 1100), device="cuda", generator=torch.Generator("cuda").manual_seed(7))
     layouts = []
