@@ -4,7 +4,13 @@ Paths (each in the process it needs; the ``*-fla`` paths in one where qla_compil
 nothing of ours is registered):
 
 * ``eager-fla``: the model as written, transformers' GDN bound to FLA's Triton kernels (``FLA_FLASH_QLA=0``);
-* ``inductor-fla``: ``torch.compile(model)`` with the same FLA kernels (a graph break at each FLA call);
+* ``inductor-fla``: ``torch.compile(model)`` with the same FLA kernels (a graph break at each FLA call). Before
+  torch 2.13 dynamo answers ``torch.compiler.is_exporting()`` with True under ``torch.compile`` too
+  (pytorch/pytorch#176347), and transformers' GDN wrapper then takes its PyTorch chunk loop, which Inductor
+  unrolls (minutes of compile); so this path binds the model's GDN function to FLA's op directly, as transformers
+  does eagerly and on torch >= 2.13;
+* ``inductor-transformers`` (not in the default ``--paths``): plain ``torch.compile(model)``, whatever
+  transformers' wrapper calls under dynamo on this torch;
 * ``qla``: ``torch.compile(model, backend=qla_compile.backend)``;
 * ``qla-reduce-overhead``: the same with ``mode="reduce-overhead"`` (CUDA graphs).
 
@@ -21,6 +27,7 @@ run on another machine). One profiled step per
 
     python bench/model.py --out $OUT [--models dense,moe] [--lengths 4096,16384,32768] [--kinds prefill,train]
                           [--paths eager-fla,inductor-fla,qla,qla-reduce-overhead] [--profile]
+                          [--budget-s S]
 
 A run may measure some paths, models or lengths only: its rows replace those it measured in ``--out``'s
 ``latest-model.json`` and keep the rest (copy the committed results there first to extend them). The
@@ -28,7 +35,9 @@ A run may measure some paths, models or lengths only: its rows replace those it 
 """
 
 import argparse
+import contextlib
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -37,17 +46,16 @@ import sys
 import tempfile
 import time
 
-GROUPS = {"fla": ("eager-fla", "inductor-fla"), "qla": ("qla", "qla-reduce-overhead")}
+GROUPS = {"fla": ("eager-fla", "inductor-fla", "inductor-transformers"), "qla": ("qla", "qla-reduce-overhead")}
+DEFAULT_PATHS = ("eager-fla", "inductor-fla", "qla", "qla-reduce-overhead")
 GDN_OPS = ("qla::chunk_gdr_fwd", "qla::chunk_gdr_bwd", "ChunkGatedDeltaRuleFunction",
            "ChunkGatedDeltaRuleFunctionBackward")
 REF_DIR = os.path.join(tempfile.gettempdir(), "qla-model-bench-ref")
 TOKEN_STRIDE, ROW_STRIDE = 512, 128  # the subsample of logits and gradient that the error columns compare
 
 
-def build(kind):
-    import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
+def config(kind):
+    """The Qwen3NextConfig arguments of the ``dense`` or ``moe`` model."""
     cfg = dict(
         vocab_size=4096, hidden_size=2048, intermediate_size=4096, num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=16, num_key_value_heads=2,
@@ -59,25 +67,56 @@ def build(kind):
     else:
         cfg.update(mlp_only_layers=[], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024,
                    shared_expert_intermediate_size=1024)
+    return cfg
+
+
+def build(kind):
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
     torch.manual_seed(0)
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(**cfg))  # the same weights in every process
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**config(kind)))  # the same weights in every process
     return model.to(device="cuda", dtype=torch.bfloat16)
 
 
-def gdn_binding():
-    """What transformers' Qwen3-Next GDN function dispatches to here."""
+def gdn_implementation():
+    """(the function transformers' Qwen3-Next GDN wrapper dispatches to here eagerly, the names it passes on)."""
     from transformers.models.qwen3_next import modeling_qwen3_next as m
 
     fn = m.torch_chunk_gated_delta_rule
     cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
-    impl = cells.get("implementation", fn)
+    return cells.get("implementation", fn), cells.get("applicable_params")
+
+
+@functools.cache
+def gdn_binding():
+    impl, _ = gdn_implementation()
     return f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__name__', '?')}"
+
+
+@contextlib.contextmanager
+def gdn_bound_to_fla():
+    """Within: the modeling module's GDN function is what its wrapper calls eagerly (FLA's op), with the
+    wrapper's filtering of keyword arguments."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+    impl, params = gdn_implementation()
+    if not impl.__module__.startswith("fla."):
+        raise RuntimeError(f"inductor-fla: transformers' GDN dispatches to {gdn_binding()}, not to FLA")
+
+    def fla_gdn(*args, **kwargs):
+        return impl(*args, **{k: v for k, v in kwargs.items() if k in params})
+    wrapper, m.torch_chunk_gated_delta_rule = m.torch_chunk_gated_delta_rule, fla_gdn
+    try:
+        yield
+    finally:
+        m.torch_chunk_gated_delta_rule = wrapper
 
 
 def compiled(model, path):
     import torch
 
-    if path == "inductor-fla":
+    if path in ("inductor-fla", "inductor-transformers"):
         return torch.compile(model)
     import qla_compile
 
@@ -185,7 +224,7 @@ def worker(args):
     import torch
 
     rows, profiles = [], []
-    lengths = [int(t) for t in args.lengths.split(",")]
+    gdn_binding()  # cached before any path rebinds it
     for model_kind in args.models.split(","):
         model = build(model_kind)
         grad_param = model.model.layers[0].linear_attn.in_proj_qkvz.weight
@@ -193,50 +232,63 @@ def worker(args):
             if path not in args.paths.split(","):
                 continue
             torch._dynamo.reset()
-            fn = model if path == "eager-fla" else compiled(model, path)
-            for kind in args.kinds.split(","):
-                for i, T in enumerate(lengths):
-                    breaks0, graphs0 = dynamo_counts()
-                    ids = torch.randint(0, 4096, (1, T), generator=torch.Generator().manual_seed(T)).cuda()
-                    step = step_fn(model, fn, ids, kind, cuda_graphs=path == "qla-reduce-overhead")
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    logits = step()
-                    torch.cuda.synchronize()
-                    first = time.perf_counter() - start
-                    logits, grad = logits[:, ::TOKEN_STRIDE].float().cpu(), None
-                    if kind == "train":
-                        grad = grad_param.grad[::ROW_STRIDE].float().cpu()
-                    ref = os.path.join(args.refs, f"{model_kind}-{T}-{kind}.pt")
-                    check = {}
-                    if path == "eager-fla":
-                        torch.save((logits, grad), ref)
-                    elif os.path.exists(ref):
-                        ref_logits, ref_grad = torch.load(ref)
-                        check["logits_vs_eager_fla"] = rel_l2(logits, ref_logits)
-                        if grad is not None:
-                            check["grad_vs_eager_fla"] = rel_l2(grad, ref_grad)
-                    del logits, grad
-                    step()  # a second warm-up (CUDA-graph paths record here)
-                    ms = median_ms(step, args.reps, args.rounds)
-                    breaks, graphs = dynamo_counts()
-                    rows.append(dict(model=model_kind, T=T, kind=kind, path=path, ms=round(ms, 3),
-                                     first_call_s=round(first, 2), graph_breaks=breaks - breaks0,
-                                     graphs=graphs - graphs0, **{k: float(f"{v:.3e}") for k, v in check.items()}))
-                    print(json.dumps(rows[-1]), flush=True)
-                    if i == 0 and args.profile:
-                        gdn_ms, total_ms, top, gdn_top = profile_step(step)
-                        share = None if path == "qla-reduce-overhead" else gdn_ms / total_ms  # replays: no ops
-                        profiles.append(dict(model=model_kind, T=T, kind=kind, path=path, gdn_share=share,
-                                             device_ms=round(total_ms, 3), top=top, gdn_top=gdn_top))
-                    del step, ids
-                    torch.cuda.empty_cache()
-            del fn
+            with gdn_bound_to_fla() if path == "inductor-fla" else contextlib.nullcontext():
+                fn = model if path == "eager-fla" else compiled(model, path)
+                measure(args, model, model_kind, grad_param, path, fn, rows, profiles)
+                del fn
         del model, grad_param
         torch.cuda.empty_cache()
-    meta = {"transformers_gdn": gdn_binding()}
-    with open(args.result, "w") as f:
-        json.dump(dict(rows=rows, profiles=profiles, meta=meta), f)
+
+
+def measure(args, model, model_kind, grad_param, path, fn, rows, profiles):
+    """One path's rows (and profiles) for every kind and length, appended to ``rows`` / ``profiles``."""
+    import torch
+
+    lengths = [int(t) for t in args.lengths.split(",")]
+    for kind in args.kinds.split(","):
+        for i, T in enumerate(lengths):
+            breaks0, graphs0 = dynamo_counts()
+            ids = torch.randint(0, 4096, (1, T), generator=torch.Generator().manual_seed(T)).cuda()
+            step = step_fn(model, fn, ids, kind, cuda_graphs=path == "qla-reduce-overhead")
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            logits = step()
+            torch.cuda.synchronize()
+            first = time.perf_counter() - start
+            logits, grad = logits[:, ::TOKEN_STRIDE].float().cpu(), None
+            if kind == "train":
+                grad = grad_param.grad[::ROW_STRIDE].float().cpu()
+            ref = os.path.join(args.refs, f"{model_kind}-{T}-{kind}.pt")
+            check = {}
+            if path == "eager-fla":
+                torch.save((logits, grad), ref)
+            elif os.path.exists(ref):
+                ref_logits, ref_grad = torch.load(ref)
+                check["logits_vs_eager_fla"] = rel_l2(logits, ref_logits)
+                if grad is not None:
+                    check["grad_vs_eager_fla"] = rel_l2(grad, ref_grad)
+            del logits, grad
+            step()  # a second warm-up (CUDA-graph paths record here)
+            ms = median_ms(step, args.reps, args.rounds)
+            breaks, graphs = dynamo_counts()
+            rows.append(dict(model=model_kind, T=T, kind=kind, path=path, ms=round(ms, 3),
+                             first_call_s=round(first, 2), graph_breaks=breaks - breaks0,
+                             graphs=graphs - graphs0, **{k: float(f"{v:.3e}") for k, v in check.items()}))
+            print(json.dumps(rows[-1]), flush=True)
+            if i == 0 and args.profile:
+                gdn_ms, total_ms, top, gdn_top = profile_step(step)
+                share = None if path == "qla-reduce-overhead" else gdn_ms / total_ms  # replays: no ops
+                profiles.append(dict(model=model_kind, T=T, kind=kind, path=path, gdn_share=share,
+                                     device_ms=round(total_ms, 3), top=top, gdn_top=gdn_top))
+            save(args.result, rows, profiles)  # after every row: a group stopped by --budget-s keeps it
+            del step, ids
+            torch.cuda.empty_cache()
+
+
+def save(result, rows, profiles):
+    with open(result + ".part", "w") as f:
+        json.dump(dict(rows=rows, profiles=profiles, meta={"transformers_gdn": gdn_binding()}), f)
+    os.replace(result + ".part", result)
 
 
 def render(rows, profiles, meta):
@@ -285,10 +337,12 @@ def main():
     ap.add_argument("--models", default="dense,moe")
     ap.add_argument("--lengths", default="4096,16384,32768")
     ap.add_argument("--kinds", default="prefill,train")
-    ap.add_argument("--paths", default=",".join(GROUPS["fla"] + GROUPS["qla"]))
+    ap.add_argument("--paths", default=",".join(DEFAULT_PATHS))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=float("inf"),
+                    help="stop the run after this many seconds, keeping the rows finished by then")
     ap.add_argument("--refs", default=REF_DIR, help="eager-fla's logits and gradient samples (written, then read)")
     ap.add_argument("--worker", choices=sorted(GROUPS))
     ap.add_argument("--result")
@@ -298,19 +352,29 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.refs, exist_ok=True)
     rows, profiles, meta = [], [], {}
+    deadline = time.monotonic() + args.budget_s
     for group in [g for g, paths in GROUPS.items() if set(paths) & set(args.paths.split(","))]:
         result = os.path.join(args.out, f"model-{group}.json")
+        if os.path.exists(result):
+            os.remove(result)
         env = {**os.environ, "FLA_FLASH_QLA": "0", "FLA_QLA_COMPILE": "0" if group == "fla" else "1",
                "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(), "TRITON_CACHE_DIR": tempfile.mkdtemp()}
         cmd = [sys.executable, __file__, "--worker", group, "--result", result] + [
             f"--{k}={getattr(args, k)}" for k in ("models", "lengths", "kinds", "paths", "reps", "rounds", "refs")] + (
             ["--profile"] if args.profile else [])
-        subprocess.run(cmd, env=env, check=True)
+        try:
+            left = deadline - time.monotonic()
+            subprocess.run(cmd, env=env, check=True, timeout=None if left == float("inf") else max(1.0, left))
+        except subprocess.TimeoutExpired:
+            print(f"--budget-s reached: the {group} group stopped; its finished rows are kept", flush=True)
+        if not os.path.exists(result):
+            continue
         with open(result) as f:
             part = json.load(f)
         rows += part["rows"]
         profiles += part["profiles"]
         meta.update(part["meta"])
+    meta.setdefault("transformers_gdn", "?")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from bench.common import versions
 
