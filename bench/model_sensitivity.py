@@ -6,17 +6,14 @@ check a GDN kernel through its logits.
     python bench/model_sensitivity.py [--T 512]
 """
 import argparse
+import inspect
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.model import config  # noqa: E402
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+from bench.model import config, rel_l2  # noqa: E402
 
 
 def main():
@@ -26,7 +23,7 @@ def main():
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
     from transformers.models.qwen3_next import modeling_qwen3_next as m
 
-    m.torch_chunk_gated_delta_rule = m.torch_chunk_gated_delta_rule.__wrapped__  # the PyTorch GDN on any device
+    m.torch_chunk_gated_delta_rule = inspect.unwrap(m.torch_chunk_gated_delta_rule)  # the PyTorch GDN, any device
     ids = torch.randint(0, 4096, (1, args.T), generator=torch.Generator().manual_seed(args.T))
     for kind in ("dense", "moe"):
         torch.manual_seed(0)
@@ -38,8 +35,8 @@ def main():
                 lambda _, a: (a[0] * (1 + 1e-3 * torch.randn_like(a[0])),))
             noisy = model(input_ids=ids, use_cache=False).logits
             hook.remove()
-        print(f"{kind}: bf16 vs fp32 {rel(bf16, fp32):.4f}; bf16 with 1e-3 noise on one GDN output vs bf16 "
-              f"{rel(noisy, bf16):.4f}", flush=True)
+        print(f"{kind}: bf16 vs fp32 {rel_l2(bf16, fp32):.4f}; bf16 with 1e-3 noise on one GDN output vs bf16 "
+              f"{rel_l2(noisy, bf16):.4f}", flush=True)
 
 
 if __name__ == "__main__":
