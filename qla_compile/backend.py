@@ -7,7 +7,13 @@ Two mechanisms, both before AOTAutograd so that training differentiates through 
   each function is registered as its module is imported (``frontdoor.install``), whatever the backend.  A
   function the front door does not know (remote code, a fork) is fused by the FX pass.
 * **FX pass** (``passes/fuse.py``): on each graph dynamo hands over, proves and fuses GDN written any other
-  way.  Then Inductor compiles the result (with ``inductor_compat``'s fixes for dynamic shapes).
+  way.
+* **Short convolutions** (``passes/short_conv.py``): depthwise ``conv1d`` calls (the GDN layer's causal
+  convolution in transformers' models) become shifted multiply-adds that Inductor fuses.
+* **Causal masks** (``passes/causal_mask.py``): attention on a materialised mask that is provably the causal
+  one (what transformers builds while tracing) becomes ``is_causal=True`` attention, as it runs eagerly.
+
+Then Inductor compiles the result (with ``inductor_compat``'s fixes for dynamic shapes).
 """
 from __future__ import annotations
 
@@ -20,7 +26,9 @@ from torch import fx
 
 from .inductor_compat import dynamic_config, dynamic_shape_fixes
 from .passes.fuse import fuse_gdn_regions
+from .passes.causal_mask import drop_causal_masks
 from .passes.report import GraphReport
+from .passes.short_conv import rewrite_short_convs
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +61,8 @@ class QlaBackend:
             fuse_gdn_regions(gm, report)
         else:
             report.nodes_after = report.nodes_before
+        report.short_convs = rewrite_short_convs(gm)
+        report.causal_masks = drop_causal_masks(gm)
         compiled = self._compile(gm, example_inputs, mode or self.mode, {**self.options, **(options or {})})
         report.compile_seconds = time.perf_counter() - start
         log.info("qla_compile: %s", report.summary())

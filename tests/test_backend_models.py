@@ -74,6 +74,7 @@ def test_qwen3_next_trains_few_compiles_every_call_fused():
     reports = backend.reports[first:]
     assert len(reports) <= 3, [r.summary() for r in reports]
     assert all(r.fused_calls == 1 for r in reports), [r.summary() for r in reports]
+    assert all(r.short_convs == 1 for r in reports), [r.summary() for r in reports]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         _loss_and_grads(model, compiled, torch.randint(0, 96, (2, 77)))
     assert len(backend.reports) == first + len(reports)  # a new length, no new graph
@@ -105,6 +106,7 @@ def test_qwen3_5_matches_eager(front_door, monkeypatch):
     (report,) = backend.reports
     assert report.fused_calls == 1, report.summary()
     assert (report.front_door_calls == 1) == front_door, report.summary()
+    assert report.short_convs == 1, report.summary()
 
 
 def test_training_forward_has_no_data_dependent_sizes_where_the_hopper_path_runs(monkeypatch):

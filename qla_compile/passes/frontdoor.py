@@ -164,7 +164,9 @@ def install() -> None:
 
 
 def _register_if_gdn(module) -> None:
-    if getattr(module, TRANSFORMERS_FN, None) is not None:
+    # vars(), not getattr(): a transformers package module is lazy, and an attribute it lacks would import its
+    # submodules (some need packages not installed)
+    if vars(module).get(TRANSFORMERS_FN) is not None:
         _register_on_import()
 
 

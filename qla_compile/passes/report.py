@@ -20,6 +20,8 @@ class GraphReport:
     nodes_after: int = 0
     front_door_calls: int = 0   # qla ops already in the graph (from dynamo substitutions)
     regions: list[RegionReport] = field(default_factory=list)
+    short_convs: int = 0        # depthwise conv1d calls rewritten as shifted multiply-adds
+    causal_masks: int = 0       # attention calls given is_causal=True for a materialised causal mask
     pass_seconds: float = 0.0
     compile_seconds: float = 0.0
 
@@ -30,7 +32,9 @@ class GraphReport:
     def summary(self) -> str:
         lines = [f"graph {self.index}: {self.nodes_before} -> {self.nodes_after} nodes, "
                  f"{self.front_door_calls} qla op(s) from the front door, "
-                 f"{sum(r.status == 'replaced' for r in self.regions)} region(s) fused by the FX pass; "
+                 f"{sum(r.status == 'replaced' for r in self.regions)} region(s) fused by the FX pass, "
+                 f"{self.short_convs} short convolution(s) as shifted multiply-adds, "
+                 f"{self.causal_masks} attention call(s) on a causal mask as is_causal; "
                  f"pass {self.pass_seconds:.3f} s of {self.compile_seconds:.3f} s compile"]
         for r in self.regions:
             where = f" [{r.where}]" if r.where else ""

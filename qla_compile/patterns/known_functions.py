@@ -107,7 +107,7 @@ def transformers_gdn_modules(import_all: bool) -> list[str]:
     names = {
         name for name, mod in list(sys.modules.items())
         if name.startswith(TRANSFORMERS_MODELS) and mod is not None
-        and getattr(mod, TRANSFORMERS_FN, None) is not None
+        and vars(mod).get(TRANSFORMERS_FN) is not None  # vars: a lazy package imports on getattr
     }
     if import_all:
         spec = importlib.util.find_spec("transformers")
