@@ -101,3 +101,19 @@ def test_a_substitute_that_fails_to_trace_runs_our_op_not_the_unrolled_loop(monk
         assert rel_err(o, o_ref) < 1e-5 and rel_err(st, st_ref) < 1e-5
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) > breaks  # the break is dynamo's, logged
     assert sizes and max(sizes) < 60, sizes  # no unrolled chunk loop (that is 100+ nodes at these lengths)
+
+
+def test_lazy_transformers_packages_are_not_asked_for_attributes(monkeypatch):
+    """A transformers package module resolves a missing attribute by importing its submodules (on 5.17 one of
+    them needs torchvision): discovery and the import hook look at the module's own namespace only."""
+    import sys
+    import types
+
+    class Lazy(types.ModuleType):
+        def __getattr__(self, name):
+            raise ImportError(f"{name}: would import a submodule that needs torchvision")
+
+    lazy = Lazy("transformers.models.lazy_family")
+    monkeypatch.setitem(sys.modules, lazy.__name__, lazy)
+    frontdoor._register_if_gdn(lazy)  # no error, nothing to register
+    assert lazy.__name__ not in transformers_gdn_modules(import_all=False)
