@@ -135,3 +135,23 @@ def test_training_forward_has_no_data_dependent_sizes_where_the_hopper_path_runs
     assert len(inner.reports) == 2 and all(r.front_door_calls == 1 for r in inner.reports), \
         [r.summary() for r in inner.reports]
     assert not unbacked
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_causal_mask_built_while_tracing_becomes_is_causal(padded):
+    """transformers materialises the full-attention mask while dynamo traces (it cannot read ``position_ids``
+    to rule out packed sequences): the backend turns attention on it into ``is_causal=True`` attention, and
+    keeps a mask built from an ``attention_mask`` tensor (its values are data: even all ones it cannot be proven
+    causal for every call)."""
+    model = tiny_qwen3_next()
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = None
+    if padded:
+        mask = torch.ones(2, 40, dtype=torch.long)
+        mask[0, 30:] = 0  # right padding: every query keeps a key
+    backend = qb.make_backend(inductor=False)
+    torch._dynamo.reset()
+    logits = torch.compile(model, backend=backend)(ids, attention_mask=mask, use_cache=False).logits
+    (report,) = backend.reports
+    assert report.causal_masks == (0 if padded else 1), report.summary()
+    assert rel_err(logits, model(ids, attention_mask=mask, use_cache=False).logits) < 1e-4

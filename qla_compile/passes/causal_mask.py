@@ -1,9 +1,9 @@
 """Attention on a materialised causal mask as ``is_causal=True`` attention.
 
-Under ``torch.compile`` transformers builds the full-attention layers' causal mask as a ``[B, 1, T, T]``
-boolean tensor (5.17 always while tracing; 5.24 while ``torch.compiler.is_exporting()`` answers True, which
-dynamo before torch 2.14 does under ``torch.compile`` too), where eagerly it passes no mask and
-``is_causal=True``. SDPA then runs a kernel that reads the mask and computes every block of the ``T x T``
+Under ``torch.compile`` transformers (5.17, 5.24) builds the full-attention layers' causal mask as a
+``[B, 1, T, T]`` boolean tensor (while tracing it cannot read ``position_ids`` to rule out packed sequences,
+and before torch 2.14 dynamo answers ``torch.compiler.is_exporting()`` with True), where eagerly it passes no
+mask and ``is_causal=True``. SDPA then runs a kernel that reads the mask and computes every block of the ``T x T``
 product instead of skipping the upper triangle: on the H200, Qwen3-Next's attention at T = 4096 takes twice
 its eager time, and the mask alone is ``T^2`` bytes (a GiB at T = 32768).
 
