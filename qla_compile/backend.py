@@ -62,7 +62,7 @@ class QlaBackend:
         else:
             report.nodes_after = report.nodes_before
         report.short_convs = rewrite_short_convs(gm)
-        report.causal_masks = drop_causal_masks(gm)
+        report.causal_masks = drop_causal_masks(gm, report.masks_kept)
         compiled = self._compile(gm, example_inputs, mode or self.mode, {**self.options, **(options or {})})
         report.compile_seconds = time.perf_counter() - start
         log.info("qla_compile: %s", report.summary())

@@ -154,4 +154,5 @@ def test_the_causal_mask_built_while_tracing_becomes_is_causal(padded):
     logits = torch.compile(model, backend=backend)(ids, attention_mask=mask, use_cache=False).logits
     (report,) = backend.reports
     assert report.causal_masks == (0 if padded else 1), report.summary()
+    assert ("attention_mask" in report.summary()) == padded  # names the input that keeps the mask
     assert rel_err(logits, model(ids, attention_mask=mask, use_cache=False).logits) < 1e-4

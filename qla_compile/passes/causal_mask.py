@@ -28,15 +28,23 @@ _SDPA = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attenti
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def drop_causal_masks(gm: fx.GraphModule) -> int:
-    """Rewrite each SDPA call of ``gm`` whose mask is provably causal; returns how many."""
+def drop_causal_masks(gm: fx.GraphModule, kept: list[str] | None = None) -> int:
+    """Rewrite each SDPA call of ``gm`` whose mask is provably causal; returns how many. For each mask left
+    because it is computed from tensor inputs of the graph, appends to ``kept`` a line naming them."""
     count = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _SDPA:
             continue
         given = {**dict(zip(_SDPA_ARGS, node.args)), **node.kwargs}
         mask = given.get("attn_mask")
-        if not isinstance(mask, fx.Node) or given.get("is_causal", False) or not _causal(given, mask):
+        if not isinstance(mask, fx.Node) or given.get("is_causal", False):
+            continue
+        tensors = [n.name for n in _ancestors(mask) if n.op == "placeholder" and isinstance(_value(n), torch.Tensor)]
+        if tensors and kept is not None:
+            kept.append(f"{node.name}: its mask is computed from the graph's tensor input(s) {', '.join(tensors)} "
+                        "(an attention_mask, position_ids, a cache); where nothing is padded or packed, passing "
+                        "none lets it run as is_causal attention")
+        if tensors or not _causal(given, mask):
             continue
         given.update(attn_mask=None, is_causal=True)
         node.args, node.kwargs = (), given
@@ -61,7 +69,7 @@ def _causal(given: dict, mask: fx.Node) -> bool:
     if any(n.op not in ("placeholder", "call_function", "call_method") for n in nodes):
         return False
     if any(not isinstance(_value(n), (torch.SymInt, int)) for n in inputs):
-        return False  # a tensor input: padding, packed positions, a cache position
+        return False  # a tensor input (the caller has told why)
     if not inputs:  # a graph for one length: the mask itself, evaluated once (as each step does), is the proof
         return (isinstance(length, int) and length <= MAX_STATIC_LENGTH
                 and _is_lower_triangle(_subgraph(nodes, inputs, mask, cpu=False), {}, length))

@@ -22,6 +22,7 @@ class GraphReport:
     regions: list[RegionReport] = field(default_factory=list)
     short_convs: int = 0        # depthwise conv1d calls rewritten as shifted multiply-adds
     causal_masks: int = 0       # attention calls given is_causal=True for a materialised causal mask
+    masks_kept: list[str] = field(default_factory=list)  # attention masks left as they are because of inputs
     pass_seconds: float = 0.0
     compile_seconds: float = 0.0
 
@@ -39,4 +40,5 @@ class GraphReport:
         for r in self.regions:
             where = f" [{r.where}]" if r.where else ""
             lines.append(f"  region at {r.anchor}{where}: {r.status} ({r.nodes} nodes): {r.reason}")
+        lines += [f"  attention mask kept at {kept}" for kept in self.masks_kept]
         return "\n".join(lines)
