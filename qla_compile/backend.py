@@ -1,6 +1,7 @@
 """The torch.compile backend: ``torch.compile(model, backend=qla_compile.backend)``.
 
-Two mechanisms, both before AOTAutograd so that training differentiates through the ``qla`` backward op:
+Four mechanisms, all before AOTAutograd, so that training differentiates through the ``qla`` backward op and
+through what the rewrites leave:
 
 * **Front door** (``passes/frontdoor.py``): dynamo substitutions for the known eager GDN functions, so they
   trace as one ``qla`` op with a dynamic length.  Registration is global to the process and idempotent;
@@ -25,8 +26,8 @@ import torch
 from torch import fx
 
 from .inductor_compat import dynamic_config, dynamic_shape_fixes
-from .passes.fuse import fuse_gdn_regions
 from .passes.causal_mask import drop_causal_masks
+from .passes.fuse import fuse_gdn_regions
 from .passes.report import GraphReport
 from .passes.short_conv import rewrite_short_convs
 
