@@ -66,3 +66,19 @@ def test_a_mask_with_padding_stays():
     gm, inputs = _graph(lambda q, k, v, pad: _attend(q, k, v, pad=pad), True, q, k, v, pad)
     assert drop_causal_masks(gm) == 0
     assert _sdpa_calls(gm)[0].kwargs.get("attn_mask") is not None
+
+
+def test_a_mask_written_in_place_stays():
+    """A write into the mask after it is built (here: the first key hidden) is not part of what its own node
+    computes; the pass does not take it for causal."""
+    def attend(q, k, v):
+        T = q.shape[-2]
+        mask = torch.arange(T)[None, None, None, :] <= torch.arange(T)[None, None, :, None]
+        mask = mask.expand(q.shape[0], 1, T, T).clone()
+        mask[..., 1:, 0] = False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = _qkv(21)
+    gm, inputs = _graph(attend, True, q, k, v)
+    assert drop_causal_masks(gm) == 0
+    torch.testing.assert_close(gm(*inputs)[0], attend(q, k, v))

@@ -9,10 +9,10 @@ its eager time, and the mask alone is ``T^2`` bytes (a GiB at T = 32768).
 
 This pass, on dynamo's torch-level graph, gives such a call ``is_causal=True`` and no mask when the mask is
 provably the causal one, with queries and keys of the same length: it is computed from shape symbols only (no
-tensor input: a padding mask, packed ``position_ids`` or a cache keep it), and either the graph is for one
-length and the mask, evaluated once on its device, is the lower triangle; or its constants are small
-(``MAX_CONSTANT``: a sliding window or a chunk size is a constant of the graph) and, evaluated on the CPU at
-lengths beyond every such constant, it is the lower triangle.
+tensor input: a padding mask, packed ``position_ids`` or a cache keep it; nothing written into it in place),
+and either the graph is for one length and the mask, evaluated once on its device, is the lower triangle; or
+its constants are small (``MAX_CONSTANT``: a sliding window or a chunk size is a constant of the graph) and,
+evaluated on the CPU at lengths beyond every such constant, it is the lower triangle.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 from torch.utils._pytree import tree_leaves
+
+from .dataflow import value
 
 MAX_CONSTANT = 256  # a dynamic-length mask with a larger constant (a window, a chunk) is left as it is
 MAX_STATIC_LENGTH = 65536  # a one-length mask is evaluated as it is, on its device, up to this length
@@ -39,16 +41,18 @@ def drop_causal_masks(gm: fx.GraphModule, kept: list[str] | None = None) -> int:
         mask = given.get("attn_mask")
         if not isinstance(mask, fx.Node) or given.get("is_causal", False):
             continue
-        tensors = [n.name for n in _ancestors(mask) if n.op == "placeholder" and isinstance(_value(n), torch.Tensor)]
+        nodes = _ancestors(mask)
+        tensors = [n.name for n in nodes if n.op == "placeholder" and isinstance(value(n), torch.Tensor)]
         if tensors and kept is not None:
             kept.append(f"{node.name}: its mask is computed from the graph's tensor input(s) {', '.join(tensors)} "
                         "(an attention_mask, position_ids, a cache); where nothing is padded or packed, passing "
                         "none lets it run as is_causal attention")
-        if tensors or not _causal(given, mask):
+        if tensors or not _causal(given, mask, nodes):
             continue
         given.update(attn_mask=None, is_causal=True)
         node.args, node.kwargs = (), given
-        _erase_unused(gm.graph, mask)
+        for unused in (n for n in reversed(nodes) if not n.users and n.op != "placeholder"):
+            gm.graph.erase_node(unused)
         count += 1
     if count:
         gm.graph.lint()
@@ -56,19 +60,21 @@ def drop_causal_masks(gm: fx.GraphModule, kept: list[str] | None = None) -> int:
     return count
 
 
-def _causal(given: dict, mask: fx.Node) -> bool:
-    """Whether ``mask`` is the causal mask of the SDPA call with arguments ``given`` (see the module docstring)."""
-    q, k, m = _value(given.get("query")), _value(given.get("key")), _value(mask)
+def _causal(given: dict, mask: fx.Node, nodes: list[fx.Node]) -> bool:
+    """Whether ``mask``, computed by ``nodes``, is the causal mask of the SDPA call with arguments ``given`` (see
+    the module docstring)."""
+    q, k, m = value(given.get("query")), value(given.get("key")), value(mask)
     if not all(isinstance(t, torch.Tensor) for t in (q, k, m)) or m.dtype != torch.bool or q.dim() != 4:
         return False
     length = q.shape[-2]
     if str(length) != str(k.shape[-2]):
         return False
-    nodes = _ancestors(mask)
     inputs = [n for n in nodes if n.op == "placeholder"]
     if any(n.op not in ("placeholder", "call_function", "call_method") for n in nodes):
         return False
-    if any(not isinstance(_value(n), (torch.SymInt, int)) for n in inputs):
+    if any(not u.users and u.op != "output" for n in nodes for u in n.users):
+        return False  # a write in place (dynamo's graphs keep no other unused node): not what nodes compute
+    if any(not isinstance(value(n), (torch.SymInt, int)) for n in inputs):
         return False  # a tensor input (the caller has told why)
     if not inputs:  # a graph for one length: the mask itself, evaluated once (as each step does), is the proof
         return (isinstance(length, int) and length <= MAX_STATIC_LENGTH
@@ -83,7 +89,7 @@ def _causal(given: dict, mask: fx.Node) -> bool:
     mask_of = _subgraph(nodes, inputs, mask, cpu=True)
     for size in (3, 37, 2 * MAX_CONSTANT + 3):
         at = {s: size for s in symbols.free_symbols}
-        values = {n: _at(_value(n), at) for n in inputs}
+        values = {n: _at(value(n), at) for n in inputs}
         if not _is_lower_triangle(mask_of, values, int(symbols.subs(at))):
             return False
     return True
@@ -113,10 +119,6 @@ def _at(value, at: dict) -> int:
     return int(expr.subs({s: at.get(s, 2) for s in expr.free_symbols}))
 
 
-def _value(node):
-    return node.meta.get("example_value") if isinstance(node, fx.Node) else node
-
-
 def _ancestors(node: fx.Node) -> list[fx.Node]:
     seen, stack = {node}, [node]
     while stack:
@@ -143,9 +145,3 @@ def _subgraph(nodes: list[fx.Node], inputs: list[fx.Node], output: fx.Node, cpu:
         env[node] = graph.create_node(node.op, node.target, args, kwargs, node.name)
     graph.output(env[output])
     return fx.GraphModule(torch.nn.Module(), graph)
-
-
-def _erase_unused(graph: fx.Graph, mask: fx.Node) -> None:
-    for node in reversed(_ancestors(mask)):
-        if not node.users and node.op != "placeholder":
-            graph.erase_node(node)

@@ -32,7 +32,7 @@ import types
 import torch
 
 from ..import_hooks import when_imported, when_imported_under
-from ..patterns.known_functions import FLA_FUNCTIONS, TRANSFORMERS_FN, TRANSFORMERS_MODELS, known_functions
+from ..patterns.known_functions import FLA_FUNCTIONS, TRANSFORMERS_MODELS, defines_transformers_gdn, known_functions
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +164,7 @@ def install() -> None:
 
 
 def _register_if_gdn(module) -> None:
-    # vars(), not getattr(): a transformers package module is lazy, and an attribute it lacks would import its
-    # submodules (some need packages not installed)
-    if vars(module).get(TRANSFORMERS_FN) is not None:
+    if defines_transformers_gdn(module):
         _register_on_import()
 
 

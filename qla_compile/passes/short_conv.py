@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from .dataflow import value
+
 MAX_TAPS = 8  # longer kernels stay convolutions: the shifted form unrolls one product per tap
 _CONV1D = (torch.conv1d, F.conv1d)
 
@@ -63,23 +65,19 @@ def _depthwise_args(node: fx.Node):
     given = {**defaults, **dict(zip(names, node.args)), **node.kwargs}
     if set(given) - set(names) or "input" not in given or "weight" not in given:
         return None
-    x, weight = (_value(given[k]) for k in ("input", "weight"))
+    x, weight = value(given["input"]), value(given["weight"])
     stride, padding, dilation = (_single(given[k]) for k in ("stride", "padding", "dilation"))
     if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)) or x.dim() != 3 or weight.dim() != 3:
         return None
     channels, per_group, taps = weight.shape
     bias = given["bias"]
-    if isinstance(bias, fx.Node) and not isinstance(_value(bias), torch.Tensor):
+    if isinstance(bias, fx.Node) and not isinstance(value(bias), torch.Tensor):
         return None
     if (stride, dilation) != (1, 1) or not isinstance(padding, int) or padding < 0 or given["groups"] != channels:
         return None
     if per_group != 1 or x.shape[1] != channels or not isinstance(taps, int) or taps > MAX_TAPS:
         return None
     return given["input"], given["weight"], bias, padding
-
-
-def _value(arg):
-    return arg.meta.get("example_value") if isinstance(arg, fx.Node) else arg
 
 
 def _single(arg):

@@ -98,6 +98,13 @@ FLA_FUNCTIONS = (
 )
 
 
+def defines_transformers_gdn(module) -> bool:
+    """Whether ``module`` itself holds transformers' eager GDN function. Its own namespace only: a transformers
+    package module is lazy, and an attribute it lacks would import its submodules (some need packages that
+    are not installed)."""
+    return vars(module).get(TRANSFORMERS_FN) is not None
+
+
 def transformers_gdn_modules(import_all: bool) -> list[str]:
     """Names of transformers modeling modules that define ``torch_chunk_gated_delta_rule``.
 
@@ -107,7 +114,7 @@ def transformers_gdn_modules(import_all: bool) -> list[str]:
     names = {
         name for name, mod in list(sys.modules.items())
         if name.startswith(TRANSFORMERS_MODELS) and mod is not None
-        and vars(mod).get(TRANSFORMERS_FN) is not None  # vars: a lazy package imports on getattr
+        and defines_transformers_gdn(mod)
     }
     if import_all:
         spec = importlib.util.find_spec("transformers")
