@@ -46,6 +46,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import rel_l2, versions  # noqa: E402
+
 GROUPS = {"fla": ("eager-fla", "inductor-fla", "inductor-transformers"), "qla": ("qla", "qla-reduce-overhead")}
 DEFAULT_PATHS = ("eager-fla", "inductor-fla", "qla", "qla-reduce-overhead")
 GDN_OPS = ("qla::chunk_gdr_fwd", "qla::chunk_gdr_bwd", "ChunkGatedDeltaRuleFunction",
@@ -214,11 +217,6 @@ def _kernels_below(event):
         yield from _kernels_below(child)
 
 
-def rel_l2(x, ref):
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def worker(args):
     """Run one group's paths; write rows and profiles as JSON to ``args.result``."""
     import torch
@@ -375,9 +373,6 @@ def main():
         profiles += part["profiles"]
         meta.update(part["meta"])
     meta.setdefault("transformers_gdn", "?")
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from bench.common import versions
-
     meta["versions"] = versions()
     import transformers
 

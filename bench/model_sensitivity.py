@@ -13,7 +13,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.model import config, rel_l2  # noqa: E402
+from bench.common import rel_l2  # noqa: E402
+from bench.model import config  # noqa: E402
 
 
 def main():
