@@ -131,6 +131,14 @@ def markdown(rows, meta):
     return lines
 
 
+def _write(out, rows, profiles):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "latest-layer.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(out, "latest-layer-profiles.json"), "w") as f:
+        json.dump(profiles, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
@@ -185,14 +193,10 @@ def main():
                     print(json.dumps(rows[-1]), flush=True)
                     print("  top kernels (ms):", "; ".join(f"{n[:60]} {t}" for n, t in top[:8]), flush=True)
                     print("  in the GDN op (ms):", "; ".join(f"{n[:60]} {t}" for n, t in gdn_top), flush=True)
+                    _write(args.out, rows, profiles)  # after each row: a run stopped by its time limit keeps them
                 del steps, found
         del layer
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "latest-layer.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(os.path.join(args.out, "latest-layer-profiles.json"), "w") as f:
-        json.dump(profiles, f, indent=1)
     lines = markdown(rows, versions())
     with open(os.path.join(args.out, f"{datetime.date.today().isoformat()}-layer.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -39,7 +39,7 @@ def _stub_kernels():
                 v.new_empty(0, dtype=torch.float16), v.new_empty(0, dtype=torch.float32), None,
                 v.new_empty(0, dtype=torch.float32))
 
-    def backward(do, dht, q, k, v, g, beta, scale, h0, cu, aux=None):
+    def backward(do, dht, q, k, v, g, beta, scale, h0, cu, aux=None, rstd=None):
         return tuple(torch.empty_like(x) for x in (q, k, v, g, beta)) + (None,)
 
     kernels = types.SimpleNamespace(unsupported=lambda q, k, v: None, chunk_gdr_fwd_hopper_aux=forward,
@@ -47,7 +47,6 @@ def _stub_kernels():
     dispatch._kernels = lambda: kernels
     dispatch.input_activations = lambda: types.SimpleNamespace(
         l2norm=lambda *xs, copy=None: (xs, tuple(x.new_empty(0) for x in xs), copy),
-        l2norm_bwd=lambda *triples: tuple(d for _, _, d in triples),
         gates=lambda g, b, A, dt, o: (g.float(), b.float()),
         gates_bwd=lambda g, b, A, dt, o, dg, db: (dg, db, torch.zeros_like(A), torch.zeros_like(dt)))
     hopper_backward.chunk_gdr_bwd_hopper = backward

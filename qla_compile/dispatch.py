@@ -206,24 +206,24 @@ def backward_activated(do, dht, act: Activated, g, beta, A_log, dt_bias, initial
 def _hopper_backward(do, dht, act: Activated, qk, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                      opts: GDROptions, aux):
     """The Hopper backward from the kernels' inputs ``act``, then the activations' (``qk``: the raw q and k,
-    which the activations' backward as torch ops reads)."""
+    which the activations' backward as torch ops reads). The L2 norm's backward is formed in the kernels where
+    ``act`` has the norms' rstd (the Triton activations normalised q and k)."""
     from .kernels.backward import chunk_gdr_bwd_hopper
 
     if aux is not None:
         h_v = act.v.shape[2]
         aux = (aux[0].view(-1, h_v, CHUNK, CHUNK), aux[1].view(-1, h_v, 2, CHUNK), aux[2])
-    dqa, dka, dv, dga, dba, dh0 = chunk_gdr_bwd_hopper(
+    rstd = None if act.q_rstd is None else (act.q_rstd, act.k_rstd)
+    dq, dk, dv, dga, dba, dh0 = chunk_gdr_bwd_hopper(
         do.contiguous(), _state_to_kv(dht, opts), act.q, act.k, act.v, act.g, act.beta, opts.scale,
-        _state_to_kv(initial_state, opts), cu_seqlens, aux=aux,
+        _state_to_kv(initial_state, opts), cu_seqlens, aux=aux, rstd=rstd,
     )
     acts = input_activations()
     if acts is None:
         dq, dk, dg, dbeta, dA_log, ddt_bias = activation_bwd(
-            *qk, g, beta, A_log, dt_bias, opts, dqa.float(), dka.float(), dga.float(), dba.float()
+            *qk, g, beta, A_log, dt_bias, opts, dq.float(), dk.float(), dga.float(), dba.float()
         )
     else:
-        dq, dk = (acts.l2norm_bwd((act.q, act.q_rstd, dqa), (act.k, act.k_rstd, dka))
-                  if opts.use_qk_l2norm_in_kernel else (dqa, dka))
         dg, dbeta, dA_log, ddt_bias = acts.gates_bwd(g, beta, A_log, dt_bias, opts, dga, dba)
     if dh0 is not None:
         dh0 = (dh0.mT if opts.state_v_first else dh0).contiguous().to(initial_state.dtype)

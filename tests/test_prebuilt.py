@@ -165,13 +165,14 @@ def test_check_lists_missing_and_stale_variants(tmp_path, monkeypatch, capsys):
 
 def test_the_backward_s_kernels_as_called_are_shipped():
     """Variant keys hash the params as passed: the forward+backward's ``scan`` and ``chunk_grads`` calls spell out
-    ``reverse`` and ``pdl`` as their listed variants do (on the H200 they compiled while they left them out)."""
+    ``reverse``, ``pdl`` and ``l2norm`` as their listed variants do (on the H200 they compiled while they left them out)."""
     pytest.importorskip("tilelang")
     from qla_compile.kernels import _prebuilt, chunk_grads, context_parallel
 
     shipped = {v["key"] for v in _prebuilt.manifest()["variants"]}
     assert context_parallel.scan.key(dk=128, dv=128, has_h0=False, reverse=False) in shipped
-    assert chunk_grads.chunk_grads.key(dk=128, dv=128, dtype="bfloat16", pdl=True) in shipped
+    for l2norm in (False, True):
+        assert chunk_grads.chunk_grads.key(dk=128, dv=128, dtype="bfloat16", pdl=True, l2norm=l2norm) in shipped
     assert context_parallel.scan.key(dk=128, dv=128, has_h0=False) not in shipped  # why the calls spell them out
 
 

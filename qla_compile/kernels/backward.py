@@ -184,14 +184,15 @@ def _states_and_entering(q3, k3, v3, do3, tt, gb, bad, walk, dht, initial_state,
     return h, entering
 
 
-def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scale, dtype, cp, lens):
+def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scale, dtype, cp, lens, rstd):
     """The reverse recurrence (``reverse_recurrence.chunk_dstates_ws``) and, launched as its programmatic dependent so
     that it fills the SMs the recurrence leaves idle, ``chunk_grads``: ``(dq, dk, dv, dg, dbeta, dh0)``
     in the kernels' layouts. The recurrence walks ``walk`` from ``dht`` (fp32 or None): the tables of the
     context-parallel pieces ``cp`` from their entering gradients (:func:`_entering_gradients`), all at once, or
     of the sequences ``seqs``. It publishes each chunk per qk-head in ``ready`` once its
     dS', dV' and sd rows are written for every v-head and DV slice; chunk_grads takes the chunks in the order
-    of :func:`_grads_order` (``lens``: the sequence lengths, or None) and waits for each."""
+    of :func:`_grads_order` (``lens``: the sequence lengths, or None) and waits for each; with ``rstd`` (q's and
+    k's, fp32 ``[n_tok, h_qk]``) it forms the L2 norm's backward too."""
     cu, offsets, order = walk
     n_slots, h_v, dk, dv = tt.shape[0], do3.shape[1], q3.shape[2], do3.shape[2]
     h_qk = q3.shape[1]
@@ -219,9 +220,11 @@ def _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, seqs, dht, has_h0, scal
     db = torch.empty(h_v, n_tok, **f32)
     reverse_recurrence.chunk_dstates_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, has_dht=has_dht, block_dv=block_dv)(
         q3, k3, do3, tt, gb, h, cu, offsets, order, dh0_rows, dht, float(scale), dh, dvp, dh0, sd, ready)
-    chunk_grads.chunk_grads(dk=dk, dv=dv, dtype=dtype, pdl=True)(
+    norm = rstd is not None
+    rstd = tuple(r.view(n_tok, h_qk) for r in rstd) if norm else (torch.empty(1, h_qk, **f32),) * 2  # (not read)
+    chunk_grads.chunk_grads(dk=dk, dv=dv, dtype=dtype, pdl=True, l2norm=norm)(
         q3, k3, v3, do3, tt, gb, h, dh, dvp, sd, ready, (h_v // h_qk) * (dv // block_dv), seqs[0], seqs[1],
-        grads_order, float(scale), acc, dq, dkh, dvo, dg, db)
+        grads_order, float(scale), *rstd, acc, dq, dkh, dvo, dg, db)
     return dq, dkh, dvo, dg, db, dh0
 
 
@@ -242,7 +245,7 @@ def _check_aux(aux, n_slots, h_v, device):
 
 
 def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
-                         context_parallel=None, aux=None):
+                         context_parallel=None, aux=None, rstd=None):
     """GDN chunked backward on SM90: ``(dq, dk, dv, dg, dbeta, dh0)``.
 
     Inputs as for ``chunk_gdr_fwd_hopper`` with the activations already applied: q, k ``[B,T,H_qk,K]``
@@ -252,9 +255,11 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     the state recompute and the reverse pass); ``aux``: ``(tt, gb)`` from ``chunk_gdr_fwd_hopper_aux`` on the
     same q, k, g, beta and cu_seqlens, used instead of recomputing them, or ``(tt, gb, cp_cache)`` with its
     context-parallel cache too (used when the forward filled it for this call's plan,
-    ``forward.cached_plan_views``). dq, dk, dv come back in q's dtype, dg
-    and dbeta in g's and beta's dtypes, dh0 fp32 (None without an initial state). Tokens past
-    ``cu_seqlens[-1]`` get zero gradients.
+    ``forward.cached_plan_views``). ``rstd``: ``(q_rstd, k_rstd)``, fp32 ``[B*T*H_qk]``, where q and k are
+    L2-normalised rows (``input_activations.l2norm``'s rstd): dq, dk are then the raw rows', the norm's backward
+    formed in ``chunk_grads``. dq, dk, dv come back in q's dtype, dg and dbeta in g's and beta's dtypes as
+    ``[B, T, H_v]`` views of head-major ``[H_v, B*T]`` storage (not contiguous), dh0 fp32 (None without an
+    initial state). Tokens past ``cu_seqlens[-1]`` get zero gradients.
     """
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
     _check_context_parallel(context_parallel)
@@ -266,6 +271,11 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     dev = q.device
     if aux is not None:
         _check_aux(aux, _n_slots(n_tok, n_seq), h_v, dev)
+    if rstd is not None and (len(rstd) != 2 or any(
+            r.dtype != torch.float32 or r.numel() != n_tok * h_qk or r.device != dev or not r.is_contiguous()
+            for r in rstd)):
+        raise ValueError(f"rstd must be (q_rstd, k_rstd), contiguous float32 tensors of {n_tok * h_qk} elements on "
+                         f"{dev}, got {[(r.dtype, tuple(r.shape), str(r.device)) for r in rstd]}")
     if n_tok == 0:  # nothing to launch; dh0 is dht passed straight through
         dh0 = None
         if initial_state is not None:
@@ -293,9 +303,9 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     has_h0 = initial_state is not None
     lens = _host_lengths(cu_seqlens, B, T_, read=False)
     dq, dkh, dvo, dg, db, dh0 = _reverse_and_grads(q3, k3, v3, do3, tt, gb, h, walk, (cu, offsets), dht, has_h0,
-                                                   scale, dtype, cp, lens)
+                                                   scale, dtype, cp, lens, rstd)
     dq = dq.view(B, T_, h_qk, dk)
     dkh = dkh.view(B, T_, h_qk, dk)
-    dg = dg.t().to(g.dtype).reshape(B, T_, h_v)
-    db = db.t().to(beta.dtype).reshape(B, T_, h_v)
+    dg = dg.t().to(g.dtype).view(B, T_, h_v)
+    db = db.t().to(beta.dtype).view(B, T_, h_v)
     return dq, dkh, dvo.view(B, T_, h_v, dv), dg, db, (dh0 if has_h0 else None)

@@ -78,14 +78,14 @@ __device__ __forceinline__ float qla_colsum(const float* f, int c) {
 
 
 @T.macro
-def _row_partials(frag, groups, part, out_s, tx):
-    """Row sums of the (64, 16 groups) accumulator ``frag`` per warpgroup: ``out_s[tx // 128, row]`` (every lane
-    shuffles; lane % 4 == 0 writes)."""
+def _row_partials(frag, groups, part, out_s, tx, base=0):
+    """Row sums of the (64, 16 groups) accumulator ``frag`` per warpgroup: ``out_s[base + tx // 128, row]`` (every
+    lane shuffles; lane % 4 == 0 writes)."""
     for h in T.unroll(2):
         part[h] = T.call_extern("float32", f"qla_rowsum<{groups}>", frag.data, h)
     if tx % 4 == 0:
         for h in T.unroll(2):
-            out_s[tx // 128, (tx % 128) // 32 * 16 + h * 8 + (tx % 32) // 4] = part[h]
+            out_s[base + tx // 128, (tx % 128) // 32 * 16 + h * 8 + (tx % 32) // 4] = part[h]
 
 
 @T.macro
@@ -111,12 +111,12 @@ def _ysw(i, j):
 
 
 @compiled
-def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool = True):
+def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool = True, l2norm: bool = False):
     """Per (chunk, qk-head), given S and dS' of the chunk for each of its G = h_v / h_qk v-heads: dq, dk
     (summed over the GVA group), and per v-head dv, dg, dbeta.
 
     Call as ``kernel(q, k, v, do, tt, gb, h, dh, dvp, sd, ready, target, cu_seqlens, chunk_offsets, order, scale,
-    acc, dq, dk, dv, dg, dbeta)`` with ``tt``, ``gb`` from ``kkt_inverse`` (gamma and the masked beta of
+    q_rstd, k_rstd, acc, dq, dk, dv, dg, dbeta)`` with ``tt``, ``gb`` from ``kkt_inverse`` (gamma and the masked beta of
     the chunk), ``tt.shape[0] >= n_tok // 64 + n_seq`` chunk slots (as ``backward`` allocates), and the grid one
     slot longer than that.
 
@@ -144,6 +144,11 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
     Every such store is staged in shared memory and written by whole rows. With G == 1 the scratch is not
     touched (pass ``[1, h_qk, 2, 64, dk]``).
 
+    With ``l2norm``, q and k are the L2-normalised rows and ``q_rstd``, ``k_rstd`` (fp32 ``[n_tok, h_qk]``) their
+    ``rsqrt(sum(x^2) + eps)``: dq, dk are then of the raw rows, ``rstd (d - y <d, y>)`` per row (y the normalised
+    row, as ``reference.l2norm_bwd``), formed on chip before the store. Without it those two are not read
+    (pass ``[1, h_qk]``).
+
     Every row of every output is written: the spare slots past the last chunk (at least
     ceil((n_tok - cu_seqlens[-1]) / 64) of them, counting the extra grid slot) zero the rows past
     ``cu_seqlens[-1]``, so all outputs may be allocated uninitialised (rows before ``cu_seqlens[0]`` are
@@ -154,6 +159,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
     n_seq1 = T.dynamic("n_seq1")
     n_acc = T.dynamic("n_acc")
     n_order = T.dynamic("n_order")
+    n_rstd = T.dynamic("n_rstd")
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
     C = CHUNK
@@ -179,6 +185,8 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
         chunk_offsets: T.Tensor((n_seq1,), "int32"),
         order: T.Tensor((n_order, 4), "int32"),
         scale: T.float32,
+        q_rstd: T.Tensor((n_rstd, h_qk), acc),
+        k_rstd: T.Tensor((n_rstd, h_qk), acc),
         acc_buf: T.Tensor((n_acc, h_qk, 2, C, dk), acc),
         dq_out: T.Tensor((n_tok, h_qk, dk), dtype),
         dk_out: T.Tensor((n_tok, h_qk, dk), dtype),
@@ -219,6 +227,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
             pk32 = T.view(wd_s, (C, dk), acc)  # running dk sum, once W' and dv are read
             h16 = T.view(wd_s, (dk, dv), half) if dtype != half else None  # S as loaded, until W' is written
             out_s = T.view(ds_s, (2, C, dk), dtype)  # dq, dk staged for the store
+            nrm_s = T.view(a_s, (C // 2, C), acc)  # l2norm: [dq; dk] o [q; k] row partials (rows 0-3), rstd (4-5)
             b1_f = T.alloc_fragment((C, dv), acc)
             b2_f = T.alloc_fragment((C, dv), acc)
             dk_f = T.alloc_fragment((C, dk), acc)
@@ -430,6 +439,28 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
                         T.copy(pq32, acc_buf[chunk, hk, 0, :, :], annotations={"disable_tma": True})
                         T.copy(pk32, acc_buf[chunk, hk, 1, :, :], annotations={"disable_tma": True})
                     else:
+                        if l2norm:
+                            # the raw rows' dq, dk: rstd (d - y <d, y>), y the normalised q, k as loaded. a_s (dQK)
+                            # is dead once both warpgroups' last GEMMs are done
+                            T.sync_threads()
+                            for i, d in T.Parallel(C, dk):
+                                b2_f[i, d] = b1_f[i, d] * T.cast(q_s[i, d], acc)
+                            _row_partials(b2_f, dk // 16, part, nrm_s, tx)
+                            for i, d in T.Parallel(C, dk):
+                                b2_f[i, d] = dk_f[i, d] * T.cast(k_s[i, d], acc)
+                            _row_partials(b2_f, dk // 16, part, nrm_s, tx, 2)
+                            if tx < C:
+                                nrm_s[4, tx] = T.float32(0)
+                                nrm_s[5, tx] = T.float32(0)
+                                if tx < length:
+                                    nrm_s[4, tx] = q_rstd[start + tx, hk]
+                                    nrm_s[5, tx] = k_rstd[start + tx, hk]
+                            T.sync_threads()
+                            for i, d in T.Parallel(C, dk):
+                                b1_f[i, d] = nrm_s[4, i] * (
+                                    b1_f[i, d] - T.cast(q_s[i, d], acc) * (nrm_s[0, i] + nrm_s[1, i]))
+                                dk_f[i, d] = nrm_s[5, i] * (
+                                    dk_f[i, d] - T.cast(k_s[i, d], acc) * (nrm_s[2, i] + nrm_s[3, i]))
                         T.copy(b1_f, out_s[0, :, :])
                         T.copy(dk_f, out_s[1, :, :])
                         T.sync_threads()
@@ -522,5 +553,5 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
 
 def variants():
     """``(kernel name, params)`` of every :func:`chunk_grads` variant (for prebuild)."""
-    return [("chunk_grads", dict(dk=128, dv=128, dtype=dt, pdl=pdl))
-            for dt in ("bfloat16", "float16") for pdl in (True, False)]
+    return [("chunk_grads", dict(dk=128, dv=128, dtype=dt, pdl=pdl, l2norm=norm))
+            for dt in ("bfloat16", "float16") for pdl, norm in ((True, False), (False, False), (True, True))]

@@ -4,9 +4,9 @@ of q and k, FLA's gate activation and beta's sigmoid (the math of ``reference.ac
 * :func:`l2norm`: ``x * rsqrt(sum(x^2) + 1e-6)`` over the last dim of q and k, read from strided ``[B, T, H, D]``
   views (the split of a fused qkv projection, or of transformers' transposed convolution output) and written
   contiguous in their dtype, as the TileLang kernels take them, with each row's rstd; v, the third slice of that
-  projection, is made contiguous in the same launch.
-  :func:`l2norm_bwd` takes the normalised rows, their rstd and their gradient (FLA's layer keeps the same). In
-  torch ops each is five to eight passes over fp32 copies.
+  projection, is made contiguous in the same launch. Its backward is formed in the backward kernels from the
+  normalised rows and their rstd (``chunk_grads``' ``l2norm``), as FLA's layer keeps the same. In torch ops
+  the norm is five to eight passes over fp32 copies.
 * :func:`gates` / :func:`gates_bwd`: ``g <- -exp(A_log) * softplus(g + dt_bias)`` and ``beta <- sigmoid(beta)``
   (doubled with ``allow_neg_eigval``) in one launch each way instead of a dozen small ops.
 
@@ -83,31 +83,6 @@ def _l2norm_fwd(x0_ptr, y0_ptr, r0_ptr, x1_ptr, y1_ptr, r1_ptr, per_x, n_rows, h
                    c_stride_h, c_stride_d, DC, BLOCK_DC, C_HEAD_MAJOR, ROWS)
 
 
-@triton.jit
-def _l2norm_bwd_rows(y_ptr, r_ptr, dy_ptr, dx_ptr, pid, n_rows, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     ROWS: tl.constexpr):
-    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    live = rows < n_rows
-    mask = live[:, None] & (cols[None, :] < D)
-    dense = rows[:, None] * D + cols[None, :]
-    y = tl.load(y_ptr + dense, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + dense, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.load(r_ptr + rows, mask=live, other=0.0)
-    dx = rstd[:, None] * (dy - y * tl.sum(dy * y, axis=1)[:, None])
-    tl.store(dx_ptr + dense, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _l2norm_bwd(y0_ptr, r0_ptr, dy0_ptr, dx0_ptr, y1_ptr, r1_ptr, dy1_ptr, dx1_ptr, per_x, n_rows,
-                D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
-    pid = tl.program_id(0)
-    if pid < per_x:
-        _l2norm_bwd_rows(y0_ptr, r0_ptr, dy0_ptr, dx0_ptr, pid, n_rows, D, BLOCK_D, ROWS)
-    else:
-        _l2norm_bwd_rows(y1_ptr, r1_ptr, dy1_ptr, dx1_ptr, pid - per_x, n_rows, D, BLOCK_D, ROWS)
-
-
 def _on(device):
     """The tensors' device made current where it is not: Triton launches on the current device's stream (a CPU
     device: Triton's interpreter, in the tests)."""
@@ -125,8 +100,8 @@ def l2norm(*xs: torch.Tensor, copy: torch.Tensor | None = None):
     """The L2-normalised rows of one or two tensors ``[B, T, H, D]`` of any strides (q and k: one launch where
     they share a shape and strides), computed in fp32, contiguous, in their dtypes; with ``copy`` (v,
     ``[B, T, H', D']``) also that tensor made contiguous in the same launch (returned as is where it is).
-    Returns ``(ys, rstds, copied)``: each row's ``rsqrt(sum(x^2) + eps)`` fp32 ``[B*T*H]`` (what
-    :func:`l2norm_bwd` takes) and the copy (None without ``copy``)."""
+    Returns ``(ys, rstds, copied)``: each row's ``rsqrt(sum(x^2) + eps)`` fp32 ``[B*T*H]`` (what the backward
+    kernels take) and the copy (None without ``copy``)."""
     if len(xs) == 2 and (xs[0].shape != xs[1].shape or xs[0].stride() != xs[1].stride()):
         (y0,), (r0,), copied = l2norm(xs[0], copy=copy)  # layouts differ: one launch each
         (y1,), (r1,), _ = l2norm(xs[1])
@@ -151,23 +126,6 @@ def l2norm(*xs: torch.Tensor, copy: torch.Tensor | None = None):
                                  BLOCK_DC=triton.next_power_of_2(c.shape[3]), N_X=len(xs),
                                  HEAD_MAJOR=_head_major(x), C_HEAD_MAJOR=_head_major(c), ROWS=_ROWS, num_warps=4)
     return ys, rstds, copied
-
-
-def l2norm_bwd(*triples: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The gradients of :func:`l2norm`'s inputs, for one or two triples ``(y, rstd, dy)`` of its output, its rstd
-    and the output's gradient (two of one shape: one launch), contiguous, in ``y``'s dtype."""
-    if len(triples) == 2 and triples[0][0].shape != triples[1][0].shape:
-        return l2norm_bwd(triples[0]) + l2norm_bwd(triples[1])
-    y = triples[0][0]
-    n_rows, D = y.numel() // y.shape[-1], y.shape[-1]
-    dxs = tuple(torch.empty(y.shape, device=y.device, dtype=y.dtype) for _ in triples)
-    args = [a for (y_i, rstd, dy), dx in zip(triples, dxs) for a in (y_i, rstd, dy.contiguous(), dx)]
-    per_x = triton.cdiv(n_rows, _ROWS)
-    if n_rows:
-        with _on(y.device):
-            _l2norm_bwd[(per_x * len(triples),)](*(args * 2)[:8], per_x, n_rows, D=D,
-                                                 BLOCK_D=triton.next_power_of_2(D), ROWS=_ROWS, num_warps=4)
-    return dxs
 
 
 @triton.jit
@@ -197,25 +155,33 @@ def _gates_fwd(g_ptr, b_ptr, a_log_ptr, dt_ptr, go_ptr, bo_ptr, n, heads, beta_s
 
 
 @triton.jit
-def _gates_bwd(g_ptr, b_ptr, a_log_ptr, dt_ptr, dga_ptr, dba_ptr, dg_ptr, db_ptr, da_ptr, n, heads, beta_scale,
-               GATE: tl.constexpr, HAS_DT: tl.constexpr, SIGMOID: tl.constexpr, BLOCK: tl.constexpr):
-    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    live = offs < n
-    dg = tl.load(dga_ptr + offs, mask=live, other=0.0).to(tl.float32)
+def _gates_bwd(g_ptr, b_ptr, a_log_ptr, dt_ptr, dga_ptr, dba_ptr, dg_ptr, db_ptr, part_ptr, n_tok, heads,
+               s_dga_t, s_dga_h, s_dba_t, s_dba_h, beta_scale, GATE: tl.constexpr, HAS_DT: tl.constexpr,
+               SIGMOID: tl.constexpr, TOK: tl.constexpr, HB: tl.constexpr):
+    """``TOK`` tokens x every head per program; ``dga``, ``dba`` read at any strides (the kernels' head-major
+    gradients); the parameters' gradients summed over the program's tokens into its row of ``part``
+    (``[programs, 2, HB]``: dA_log's, dt_bias's)."""
+    pid = tl.program_id(0)
+    tok = (pid * TOK + tl.arange(0, TOK)).to(tl.int64)[:, None]
+    h = tl.arange(0, HB)
+    live = (tok < n_tok) & (h[None, :] < heads)
+    dense = tok * heads + h[None, :]
+    dg = tl.load(dga_ptr + tok * s_dga_t + h[None, :] * s_dga_h, mask=live, other=0.0).to(tl.float32)
     if GATE:
-        h = offs % heads
-        x = tl.load(g_ptr + offs, mask=live, other=0.0).to(tl.float32)
+        x = tl.load(g_ptr + dense, mask=live, other=0.0).to(tl.float32)
         if HAS_DT:
-            x += tl.load(dt_ptr + h, mask=live, other=0.0).to(tl.float32)
-        neg_a = -tl.exp(tl.load(a_log_ptr + h, mask=live, other=0.0).to(tl.float32))
-        tl.store(da_ptr + offs, dg * neg_a * _softplus(x), mask=live)  # d/dA_log of neg_a * softplus(x)
+            x += tl.load(dt_ptr + h, mask=h < heads, other=0.0).to(tl.float32)[None, :]
+        neg_a = -tl.exp(tl.load(a_log_ptr + h, mask=h < heads, other=0.0).to(tl.float32))[None, :]
+        tl.store(part_ptr + pid * 2 * HB + h, tl.sum(dg * neg_a * _softplus(x), axis=0))  # d/dA_log, masked: 0
         dg = dg * neg_a * tl.sigmoid(x)
-    tl.store(dg_ptr + offs, dg, mask=live)
-    db = tl.load(dba_ptr + offs, mask=live, other=0.0).to(tl.float32)
+        if HAS_DT:
+            tl.store(part_ptr + pid * 2 * HB + HB + h, tl.sum(dg, axis=0))
+    tl.store(dg_ptr + dense, dg.to(dg_ptr.dtype.element_ty), mask=live)
+    db = tl.load(dba_ptr + tok * s_dba_t + h[None, :] * s_dba_h, mask=live, other=0.0).to(tl.float32)
     if SIGMOID:
-        s = tl.sigmoid(tl.load(b_ptr + offs, mask=live, other=0.0).to(tl.float32))
-        db = db * s * (1.0 - s) * beta_scale
-    tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=live)
+        sig = tl.sigmoid(tl.load(b_ptr + dense, mask=live, other=0.0).to(tl.float32))
+        db = db * sig * (1.0 - sig) * beta_scale
+    tl.store(db_ptr + dense, db.to(db_ptr.dtype.element_ty), mask=live)
 
 
 def _params(A_log, dt_bias, spare):
@@ -246,21 +212,30 @@ def gates(g, beta, A_log, dt_bias, opts: GDROptions):
 
 
 def gates_bwd(g, beta, A_log, dt_bias, opts: GDROptions, dga, dba):
-    """``(dg, dbeta, dA_log, ddt_bias)`` from the gradients ``dga, dba`` of :func:`gates`' outputs, in the
-    inputs' dtypes (the parameters' sums over tokens in float64; None where a parameter is not used)."""
+    """``(dg, dbeta, dA_log, ddt_bias)`` from the gradients ``dga, dba`` of :func:`gates`' outputs (``[B, T, H]``
+    of any strides, as the kernels' backward gives them), in the inputs' dtypes (None where a parameter is not
+    used): one launch, the parameters' sums over tokens in fp32 per program and then over programs."""
     if not (opts.use_gate_in_kernel or opts.use_beta_sigmoid_in_kernel):
         return dga.to(g.dtype), dba.to(beta.dtype), None, None
-    g, beta, dga, dba = g.contiguous(), beta.contiguous(), dga.contiguous(), dba.contiguous()
-    dg = torch.empty(g.shape, device=g.device, dtype=torch.float32)
+    g, beta = g.contiguous(), beta.contiguous()
+    n_tok, heads = g.numel() // g.shape[-1], g.shape[-1]
+    dg = torch.empty(g.shape, device=g.device, dtype=g.dtype)
     db = torch.empty(beta.shape, device=beta.device, dtype=beta.dtype)
-    da = torch.empty(g.shape if opts.use_gate_in_kernel else (0,), device=g.device, dtype=torch.float32)
-    if g.numel():
+    hb = triton.next_power_of_2(heads)
+    tok = max(1, _BLOCK // hb)
+    n_prog = triton.cdiv(n_tok, tok)
+    part = torch.empty(n_prog, 2, hb, device=g.device, dtype=torch.float32)  # every row that is read is written
+    dga2, dba2 = dga.reshape(n_tok, heads), dba.reshape(n_tok, heads)  # views of the kernels' head-major layout
+    if n_tok:
         with _on(g.device):
-            _gates_bwd[(triton.cdiv(g.numel(), _BLOCK),)](g, beta, *_params(A_log, dt_bias, dg), dga, dba, dg, db,
-                                                          da, **_gate_args(g, dt_bias, opts))
+            _gates_bwd[(n_prog,)](g, beta, *_params(A_log, dt_bias, dg), dga2, dba2, dg, db, part, n_tok,
+                                  heads, *dga2.stride(), *dba2.stride(), 2.0 if opts.allow_neg_eigval else 1.0,
+                                  GATE=opts.use_gate_in_kernel, HAS_DT=opts.use_gate_in_kernel and dt_bias is not None,
+                                  SIGMOID=opts.use_beta_sigmoid_in_kernel, TOK=tok, HB=hb, num_warps=4)
     dA_log = ddt_bias = None
     if opts.use_gate_in_kernel:
-        dA_log = da.view(-1, g.shape[-1]).sum(0, dtype=torch.float64).to(A_log.dtype)
+        sums = part.sum(0)
+        dA_log = sums[0, :heads].to(A_log.dtype)
         if dt_bias is not None:
-            ddt_bias = dg.view(-1, g.shape[-1]).sum(0, dtype=torch.float64).to(dt_bias.dtype)
-    return dg.to(g.dtype), db, dA_log, ddt_bias
+            ddt_bias = sums[1, :heads].to(dt_bias.dtype)
+    return dg, db, dA_log, ddt_bias

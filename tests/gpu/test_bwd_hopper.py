@@ -8,6 +8,9 @@ from qla_compile.reference import recurrent_gdr_reference
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-2
+# dg sums inner products of S and dS' and carries both relative errors: an FP64 emulation of the kernels' rounding
+# points (chunk_grads' docstring) puts its RMS at 4.4e-3 with 2% of random draws above 1e-2
+TOL_DG = 2e-2
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
@@ -29,12 +32,13 @@ def _case(B, T, H, HV, dtype, cu_seqlens, h0, dht, seed):
     return kw, do, dht
 
 
-def _oracle(kw, do, dht, scale):
+def _oracle(kw, do, dht, scale, l2norm=False):
     names = ["q", "k", "v", "g", "beta"] + (["initial_state"] if "initial_state" in kw else [])
     leaves = {n: kw[n].double().requires_grad_() for n in names}
     o, ht = recurrent_gdr_reference(
         leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], scale=scale,
         initial_state=leaves.get("initial_state"), output_final_state=True, cu_seqlens=kw.get("cu_seqlens"),
+        use_qk_l2norm_in_kernel=l2norm,
     )
     loss = (o * do.double()).sum() + (0 if dht is None else (ht * dht.double()).sum())
     loss.backward()
@@ -67,18 +71,26 @@ def _forward_aux(kw, scale, **options):
     return tt, gb, cache
 
 
-def _check_case(case, params, with_aux=False, **options):
+def _check_case(case, params, with_aux=False, l2norm=False, **options):
+    """With ``l2norm`` the inputs' q, k are raw rows: the kernels take them normalised by the Triton activation
+    with their rstd and return the raw rows' gradients (the norm's backward in ``chunk_grads``)."""
     backward = _hopper()
     B, T, H, HV, dtype, cu, h0, has_dht = params
     kw, do, dht = _case(B, T, H, HV, dtype, cu, h0, has_dht, seed=len(case) * 7919 + torch.seed() % 1000)
     if "cu_seqlens" in kw:
         kw["cu_seqlens"] = kw["cu_seqlens"].cuda()
     scale = 0.3 if case == "dense-scale" else 128**-0.5
-    ref = _oracle(kw, do, dht, scale)
+    if l2norm:
+        kw["q"], kw["k"] = (3 * x for x in (kw["q"], kw["k"]))  # rows far from unit norm
+    ref = _oracle(kw, do, dht, scale, l2norm)
+    if l2norm:
+        from qla_compile.kernels import input_activations
+
+        (kw["q"], kw["k"]), rstd, _ = input_activations.l2norm(kw["q"], kw["k"])
     if with_aux:  # with the forward's context-parallel cache the pieces' entering gradients run on a second stream
         options["aux"] = _forward_aux(kw, scale, **options)
         assert options["aux"][2].numel() > 0
-    got = _run(backward, kw, do, dht, scale, **options)
+    got = _run(backward, kw, do, dht, scale, **options, **(dict(rstd=rstd) if l2norm else {}))
     errs = {}
     for name, x, r in zip(NAMES, got, ref):
         if r is None:
@@ -88,7 +100,7 @@ def _check_case(case, params, with_aux=False, **options):
         assert torch.isfinite(x).all(), name
         errs[name] = rel_err(x, r)
     print(case, {n: f"{e:.2e}" for n, e in errs.items()})
-    assert all(e <= TOL for e in errs.values()), errs
+    assert all(e <= (TOL_DG if name == "dg" else TOL) for name, e in errs.items()), errs
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -109,6 +121,16 @@ CP_CASES = {
 @pytest.mark.parametrize("case", list(CP_CASES))
 def test_gradients_context_parallel(case, with_aux):
     _check_case(case, CP_CASES[case], with_aux, context_parallel=2)
+
+
+@pytest.mark.parametrize("case", ["dense-gva-h0-dht", "dense-odd-fp16", "varlen-gva-h0-dht"])
+def test_gradients_with_the_l2_norm_formed_in_the_kernels(case):
+    _check_case(case, CASES[case], l2norm=True)
+
+
+@pytest.mark.parametrize("with_aux", [False, True])
+def test_gradients_with_the_l2_norm_context_parallel(with_aux):
+    _check_case("cp-varlen-gva-h0-dht", CP_CASES["cp-varlen-gva-h0-dht"], with_aux, l2norm=True, context_parallel=2)
 
 
 @pytest.mark.parametrize("context_parallel,with_aux", [(None, False), (2, False), (2, True)])
