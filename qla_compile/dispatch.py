@@ -7,8 +7,9 @@
 
 Each fallback says so once in the log, and :func:`choices` counts what ran and why (``qla_compile.explain``).
 FLA's layer options (q/k L2 norm, gate-in-kernel, beta sigmoid, ``state_v_first``) are applied around the
-kernels: the activations by fused Triton passes (``kernels.input_activations``) in eager calls; traced calls have
-them as graph ops already (``api.op_call``). Set ``QLA_FORCE_REFERENCE=1`` to run the reference everywhere (debugging).
+kernels: the activations by fused Triton passes (``kernels.input_activations``) in eager calls, the L2 norm's
+backward inside the backward kernels (from the norms' rstd); traced calls have them as graph ops already
+(``api.op_call``). Set ``QLA_FORCE_REFERENCE=1`` to run the reference everywhere (debugging).
 Nothing here reads device data, so a dense call stays CUDA-graph capturable.
 """
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The input activations of eager Hopper calls as fused Triton passes in fp32, forward and backward: the L2 norm
-of q and k, FLA's gate activation and beta's sigmoid (the math of ``reference.activate`` / ``activation_bwd``).
+"""The input activations of eager Hopper calls as fused Triton passes in fp32 (the math of ``reference.activate``
+/ ``activation_bwd``): the L2 norm of q and k (forward; its backward is formed in the backward kernels), FLA's
+gate activation and beta's sigmoid (forward and backward).
 
 * :func:`l2norm`: ``x * rsqrt(sum(x^2) + 1e-6)`` over the last dim of q and k, read from strided ``[B, T, H, D]``
   views (the split of a fused qkv projection, or of transformers' transposed convolution output) and written
