@@ -1,6 +1,7 @@
 """The SM90 backward kernels lower and build for sm_90a on a machine without a GPU.
 
-Kept to five builds (CI has two cores): the per-chunk gradient kernel once (it has no flags), the reverse
+Kept to five builds (CI has two cores): the per-chunk gradient kernel once (with the L2 norm's backward, as eager
+calls run it), the reverse
 recurrence once per dtype (the bf16 build with every optional input and the full V tile, the fp16 build
 with none and half of it) and the state recompute (the fused forward's ``store_h`` mode) at both tiles.
 """
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 VARIANTS = [
-    ("chunk_grads", dict(dtype="bfloat16")),
+    ("chunk_grads", dict(dtype="bfloat16", l2norm=True)),
     ("chunk_dstates_ws", dict(dtype="float16", has_h0=False, has_dht=False, block_dv=64)),
     ("chunk_dstates_ws", dict(dtype="bfloat16", has_h0=True, has_dht=True, block_dv=128)),
     ("chunk_fwd_ws", dict(dtype="bfloat16", has_h0=True, block_dv=128, store_h=True)),
@@ -44,3 +45,4 @@ def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
         assert "qla_ready_wait(" in source and "cudaGridDependencySynchronize" in source
         func = next(iter(kernel.adapter.device_mod.functions.values()))
         assert "has_cuda_pdl_sync" in func.attrs  # so the launch asks for programmatic stream serialization
+        assert "q_rstd[" in source and "k_rstd[" in source  # the norms' rstd are read: the L2 norm's backward
