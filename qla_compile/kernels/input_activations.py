@@ -190,11 +190,11 @@ def _params(A_log, dt_bias, spare):
     return (spare if A_log is None else A_log), (spare if dt_bias is None else dt_bias)
 
 
-def _gate_args(g, dt_bias, opts: GDROptions):
+def _gate_flags(dt_bias, opts: GDROptions):
+    """The options' arguments of both gate kernels."""
     gate = opts.use_gate_in_kernel
-    return dict(n=g.numel(), heads=g.shape[-1], beta_scale=2.0 if opts.allow_neg_eigval else 1.0, GATE=gate,
-                HAS_DT=gate and dt_bias is not None, SIGMOID=opts.use_beta_sigmoid_in_kernel, BLOCK=_BLOCK,
-                num_warps=4)
+    return dict(beta_scale=2.0 if opts.allow_neg_eigval else 1.0, GATE=gate, HAS_DT=gate and dt_bias is not None,
+                SIGMOID=opts.use_beta_sigmoid_in_kernel, num_warps=4)
 
 
 def gates(g, beta, A_log, dt_bias, opts: GDROptions):
@@ -208,7 +208,8 @@ def gates(g, beta, A_log, dt_bias, opts: GDROptions):
     if g.numel():
         with _on(g.device):
             _gates_fwd[(triton.cdiv(g.numel(), _BLOCK),)](g, beta, *_params(A_log, dt_bias, go), go, bo,
-                                                          **_gate_args(g, dt_bias, opts))
+                                                          n=g.numel(), heads=g.shape[-1], BLOCK=_BLOCK,
+                                                          **_gate_flags(dt_bias, opts))
     return go, bo
 
 
@@ -230,9 +231,8 @@ def gates_bwd(g, beta, A_log, dt_bias, opts: GDROptions, dga, dba):
     if n_tok:
         with _on(g.device):
             _gates_bwd[(n_prog,)](g, beta, *_params(A_log, dt_bias, dg), dga2, dba2, dg, db, part, n_tok,
-                                  heads, *dga2.stride(), *dba2.stride(), 2.0 if opts.allow_neg_eigval else 1.0,
-                                  GATE=opts.use_gate_in_kernel, HAS_DT=opts.use_gate_in_kernel and dt_bias is not None,
-                                  SIGMOID=opts.use_beta_sigmoid_in_kernel, TOK=tok, HB=hb, num_warps=4)
+                                  heads, *dga2.stride(), *dba2.stride(), TOK=tok, HB=hb,
+                                  **_gate_flags(dt_bias, opts))
     dA_log = ddt_bias = None
     if opts.use_gate_in_kernel:
         sums = part.sum(0)
