@@ -182,7 +182,7 @@ def main():
                 for path in paths:
                     _use(path)
                     step, (out, graphs, breaks) = steps[path], found[path]
-                    gdn_ms, kernels_ms, top, gdn_top = profile_step(step)
+                    gdn_ms, kernels_ms, top, gdn_top = profile_step(step, by_launch=True)
                     g_ms = graph_ms(step, args.reps, args.rounds)
                     rows.append(dict(layer=name, K=k, V=v, T=T, op=op, path=path, ms=round(wall[path], 3),
                                      graph_ms=None if g_ms is None else round(g_ms, 3), graphs=graphs,
@@ -192,7 +192,7 @@ def main():
                     profiles.append(dict(layer=name, T=T, op=op, path=path, top_kernels=top, gdn_kernels=gdn_top))
                     print(json.dumps(rows[-1]), flush=True)
                     print("  top kernels (ms):", "; ".join(f"{n[:60]} {t}" for n, t in top[:8]), flush=True)
-                    print("  in the GDN op (ms):", "; ".join(f"{n[:60]} {t}" for n, t in gdn_top), flush=True)
+                    print("  in the GDN op, by launch (ms):", "; ".join(f"{n[:60]} {t}" for n, t in gdn_top), flush=True)
                     _write(args.out, rows, profiles)  # after each row: a run stopped by its time limit keeps them
                 del steps, found
         del layer

@@ -167,9 +167,11 @@ def dynamo_counts():
     return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 
 
-def profile_step(step):
+def profile_step(step, by_launch=False):
     """(ms of the GDN ops' kernels, ms of all kernels, the top kernels [(name, ms)], the top kernels inside the
-    GDN ops [(name, ms)]) of one step."""
+    GDN ops [(name, ms)]) of one step. With ``by_launch`` the kernels inside the GDN ops are listed one per
+    launch, in launch order, a name launched more than once numbered (``kernel_kernel#2``: our TileLang kernels
+    all bear that name) and the list not cut."""
     import collections
 
     import torch
@@ -188,19 +190,30 @@ def profile_step(step):
     # not linked to it on the CPU side: for a GDN op with such a range, take the kernels inside its GPU annotation
     spans = [e for e in prof.events() if e.key in GDN_OPS and e.device_type == cuda]
     ranged = {e.key for e in spans}
-    by_name = collections.Counter()
+    launches = []  # (start us, name, us) of each kernel inside a GDN op
     for event in prof.events():
         if event.device_type == cuda and event.key not in GDN_OPS and any(
                 s.time_range.start <= event.time_range.start and event.time_range.end <= s.time_range.end
                 for s in spans):
-            by_name[event.name[:90]] += event.time_range.elapsed_us()
+            launches.append((event.time_range.start, event.name[:90], event.time_range.elapsed_us()))
     for event in prof.events():  # the other GDN ops: the kernels below them (outermost ones only: no double count)
         if (event.key in GDN_OPS and event.key not in ranged and event.device_type != cuda
                 and not _below_gdn(event.cpu_parent)):
-            for kernel in _kernels_below(event):
-                by_name[kernel.name[:90]] += kernel.duration
+            launches.extend((start, k.name[:90], k.duration) for start, k in _kernels_below(event))
+    gdn_ms = sum(us for _, _, us in launches) / 1e3
+    if by_launch:
+        launches.sort()
+        seen, repeated = collections.Counter(), collections.Counter(name for _, name, _ in launches)
+        gdn_top = []
+        for _, name, us in launches:
+            seen[name] += 1
+            gdn_top.append((f"{name}#{seen[name]}" if repeated[name] > 1 else name, round(us / 1e3, 3)))
+        return gdn_ms, total / 1e3, top, gdn_top
+    by_name = collections.Counter()
+    for _, name, us in launches:
+        by_name[name] += us
     gdn_top = [(name, round(us / 1e3, 3)) for name, us in by_name.most_common(12)]
-    return sum(by_name.values()) / 1e3, total / 1e3, top, gdn_top
+    return gdn_ms, total / 1e3, top, gdn_top
 
 
 def _below_gdn(event):
@@ -212,7 +225,9 @@ def _below_gdn(event):
 
 
 def _kernels_below(event):
-    yield from event.kernels
+    """(the launching op's start, kernel) of each kernel launched below ``event``."""
+    for kernel in event.kernels:
+        yield event.time_range.start, kernel
     for child in event.cpu_children:
         yield from _kernels_below(child)
 
