@@ -7,8 +7,8 @@ so ``fla`` is FLA's own Triton path. Layers (hidden 2048, bf16, batch 1): ``fla-
 (K = V = 128 with 16 qk-heads and 16 or 32 v-heads), ``fla-default`` (FLA's defaults: 6 heads, K 256, V 512) and
 ``hf-qwen3next`` (16 qk / 32 v heads x 128). Per row the median ms of the layer's forward (no grad) or forward +
 backward (of ``out.float().square().mean()``; the paths timed in turns, :func:`interleaved_ms`), from one
-profiled step the time of all its kernels and of the GDN op's own (its top kernels go to
-``latest-layer-profiles.json`` and the log), the graphs and graph breaks dynamo counted while compiling
+profiled step the GPU-busy time of all its kernels and of the GDN op's own (:func:`bench.model.profile_step`:
+overlapping kernels count once; the op's kernels one per launch go to ``latest-layer-profiles.json`` and the log), the graphs and graph breaks dynamo counted while compiling
 (``qla-compiled``), the median ms of the same step replayed as one CUDA graph (``graph_ms``: the GPU's time
 without Python and launch overhead; ``None`` where capture fails, with the reason in the log), and the relative
 L2 of the output against the ``fla`` path.

@@ -168,10 +168,13 @@ def dynamo_counts():
 
 
 def profile_step(step, by_launch=False):
-    """(ms of the GDN ops' kernels, ms of all kernels, the top kernels [(name, ms)], the top kernels inside the
-    GDN ops [(name, ms)]) of one step. With ``by_launch`` the kernels inside the GDN ops are listed one per
-    launch, in launch order, a name launched more than once numbered (``kernel_kernel#2``: our TileLang kernels
-    all bear that name) and the list not cut."""
+    """(GPU-busy ms of the GDN ops' kernels, GPU-busy ms of all kernels, the top kernels [(name, ms)], the top
+    kernels inside the GDN ops [(name, ms)]) of one step. Busy time is the union of the kernels' intervals: kernels
+    that run at once (ours beside the state recompute on a second stream, ``chunk_grads`` as the reverse
+    recurrence's programmatic dependent, waiting beside it) count once, where the sum of their durations would
+    count the overlap twice. With ``by_launch`` the kernels inside the GDN ops are listed one per launch, in launch
+    order, a name launched more than once numbered (``kernel_kernel#2``: our TileLang kernels all bear that name)
+    and the list not cut."""
     import collections
 
     import torch
@@ -182,38 +185,50 @@ def profile_step(step, by_launch=False):
         torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA
     # a profiler range (ops.EagerChunkGDR's) also shows as a GPU-side annotation spanning its kernels: not a kernel
-    kernels = [e for e in prof.key_averages() if e.device_type == cuda and e.key not in GDN_OPS]
-    total = sum(e.self_device_time_total for e in kernels)
-    kernels.sort(key=lambda e: -e.self_device_time_total)
-    top = [(e.key[:90], round(e.self_device_time_total / 1e3, 3)) for e in kernels[:12]]
+    per_name = [e for e in prof.key_averages() if e.device_type == cuda and e.key not in GDN_OPS]
+    per_name.sort(key=lambda e: -e.self_device_time_total)
+    top = [(e.key[:90], round(e.self_device_time_total / 1e3, 3)) for e in per_name[:12]]
+    kernels = [e for e in prof.events() if e.device_type == cuda and e.key not in GDN_OPS]
     # kernels launched through the driver API (Triton's, TileLang's) inside a profiler range (EagerChunkGDR's) are
     # not linked to it on the CPU side: for a GDN op with such a range, take the kernels inside its GPU annotation
     spans = [e for e in prof.events() if e.key in GDN_OPS and e.device_type == cuda]
     ranged = {e.key for e in spans}
-    launches = []  # (start us, name, us) of each kernel inside a GDN op
-    for event in prof.events():
-        if event.device_type == cuda and event.key not in GDN_OPS and any(
-                s.time_range.start <= event.time_range.start and event.time_range.end <= s.time_range.end
-                for s in spans):
-            launches.append((event.time_range.start, event.name[:90], event.time_range.elapsed_us()))
-    for event in prof.events():  # the other GDN ops: the kernels below them (outermost ones only: no double count)
+    inside = {id(e): e for e in kernels if any(
+        s.time_range.start <= e.time_range.start and e.time_range.end <= s.time_range.end for s in spans)}
+    launched_by = collections.defaultdict(list)  # a CPU op's id -> the kernels it launched
+    for e in kernels:
+        launched_by[e.linked_correlation_id].append(e)
+    for event in prof.events():  # the other GDN ops: the kernels below them (outermost ones only)
         if (event.key in GDN_OPS and event.key not in ranged and event.device_type != cuda
                 and not _below_gdn(event.cpu_parent)):
-            launches.extend((start, k.name[:90], k.duration) for start, k in _kernels_below(event))
-    gdn_ms = sum(us for _, _, us in launches) / 1e3
+            inside.update((id(k), k) for k in _kernels_below(event, launched_by))
+    launches = sorted(inside.values(), key=lambda e: e.time_range.start)
+    gdn_ms, total_ms = _busy_us(launches) / 1e3, _busy_us(kernels) / 1e3
     if by_launch:
-        launches.sort()
-        seen, repeated = collections.Counter(), collections.Counter(name for _, name, _ in launches)
+        seen, repeated = collections.Counter(), collections.Counter(e.name[:90] for e in launches)
         gdn_top = []
-        for _, name, us in launches:
+        for e in launches:
+            name = e.name[:90]
             seen[name] += 1
-            gdn_top.append((f"{name}#{seen[name]}" if repeated[name] > 1 else name, round(us / 1e3, 3)))
-        return gdn_ms, total / 1e3, top, gdn_top
+            gdn_top.append((f"{name}#{seen[name]}" if repeated[name] > 1 else name,
+                            round(e.time_range.elapsed_us() / 1e3, 3)))
+        return gdn_ms, total_ms, top, gdn_top
     by_name = collections.Counter()
-    for _, name, us in launches:
-        by_name[name] += us
+    for e in launches:
+        by_name[e.name[:90]] += e.time_range.elapsed_us()
     gdn_top = [(name, round(us / 1e3, 3)) for name, us in by_name.most_common(12)]
-    return gdn_ms, total / 1e3, top, gdn_top
+    return gdn_ms, total_ms, top, gdn_top
+
+
+def _busy_us(events):
+    """us during which at least one of ``events`` runs (the union of their intervals)."""
+    busy, end = 0.0, float("-inf")
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        start = max(e.time_range.start, end)
+        if e.time_range.end > start:
+            busy += e.time_range.end - start
+        end = max(end, e.time_range.end)
+    return busy
 
 
 def _below_gdn(event):
@@ -224,12 +239,11 @@ def _below_gdn(event):
     return False
 
 
-def _kernels_below(event):
-    """(the launching op's start, kernel) of each kernel launched below ``event``."""
-    for kernel in event.kernels:
-        yield event.time_range.start, kernel
+def _kernels_below(event, launched_by):
+    """The kernels launched below the CPU op ``event`` (``launched_by``: a CPU op's id -> its kernels)."""
+    yield from launched_by.get(event.id, ())
     for child in event.cpu_children:
-        yield from _kernels_below(child)
+        yield from _kernels_below(child, launched_by)
 
 
 def worker(args):
