@@ -184,11 +184,12 @@ def profile_step(step, by_launch=False):
         step()
         torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA
-    # a profiler range (ops.EagerChunkGDR's) also shows as a GPU-side annotation spanning its kernels: not a kernel
-    per_name = [e for e in prof.key_averages() if e.device_type == cuda and e.key not in GDN_OPS]
+    # a profiler range (ops.EagerChunkGDR's, a compiled graph's) also shows as a GPU-side annotation spanning its
+    # kernels: not a kernel
+    per_name = [e for e in prof.key_averages() if e.device_type == cuda and not e.is_user_annotation]
     per_name.sort(key=lambda e: -e.self_device_time_total)
     top = [(e.key[:90], round(e.self_device_time_total / 1e3, 3)) for e in per_name[:12]]
-    kernels = [e for e in prof.events() if e.device_type == cuda and e.key not in GDN_OPS]
+    kernels = [e for e in prof.events() if e.device_type == cuda and not e.is_user_annotation]
     # kernels launched through the driver API (Triton's, TileLang's) inside a profiler range (EagerChunkGDR's) are
     # not linked to it on the CPU side: for a GDN op with such a range, take the kernels inside its GPU annotation
     spans = [e for e in prof.events() if e.key in GDN_OPS and e.device_type == cuda]
