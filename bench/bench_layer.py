@@ -8,10 +8,10 @@ so ``fla`` is FLA's own Triton path. Layers (hidden 2048, bf16, batch 1): ``fla-
 ``hf-qwen3next`` (16 qk / 32 v heads x 128). Per row the median ms of the layer's forward (no grad) or forward +
 backward (of ``out.float().square().mean()``; the paths timed in turns, :func:`interleaved_ms`), from one
 profiled step the GPU-busy time of all its kernels and of the GDN op's own (:func:`bench.model.profile_step`:
-overlapping kernels count once; the op's kernels one per launch go to ``latest-layer-profiles.json`` and the log), the graphs and graph breaks dynamo counted while compiling
-(``qla-compiled``), the median ms of the same step replayed as one CUDA graph (``graph_ms``: the GPU's time
-without Python and launch overhead; ``None`` where capture fails, with the reason in the log), and the relative
-L2 of the output against the ``fla`` path.
+overlapping kernels count once; the op's kernels, one per launch, go to ``latest-layer-profiles.json`` and the
+log), the graphs and graph breaks dynamo counted while compiling (``qla-compiled``), the median ms of the same
+step replayed as one CUDA graph (``graph_ms``: the GPU's time without Python and launch overhead; ``None`` where
+capture fails, with the reason in the log), and the relative L2 of the output against the ``fla`` path.
 
     python bench/bench_layer.py --out $OUT [--layers ...] [--lengths 8192,32768] [--ops fwd,fwd+bwd] [--paths ...]
 """
@@ -192,7 +192,8 @@ def main():
                     profiles.append(dict(layer=name, T=T, op=op, path=path, top_kernels=top, gdn_kernels=gdn_top))
                     print(json.dumps(rows[-1]), flush=True)
                     print("  top kernels (ms):", "; ".join(f"{n[:60]} {t}" for n, t in top[:8]), flush=True)
-                    print("  in the GDN op, by launch (ms):", "; ".join(f"{n[:60]} {t}" for n, t in gdn_top), flush=True)
+                    print("  in the GDN op, by launch (ms):", "; ".join(f"{n[:60]} {t}" for n, t in gdn_top),
+                          flush=True)
                     _write(args.out, rows, profiles)  # after each row: a run stopped by its time limit keeps them
                 del steps, found
         del layer
