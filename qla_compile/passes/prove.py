@@ -189,12 +189,25 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _run_op(canon: dict, l2norm: bool, v_first: bool):
-    """Our op's function on the canonical fp32 inputs, by its reference implementation (on a GPU the op would pick
-    other kernels for fp32, less exact than a proof needs)."""
-    opts = GDROptions(1.0, l2norm, False, False, False, v_first)
-    return chunk_gdr_fwd_reference(canon["q"], canon["k"], canon["v"], canon["g"], canon["beta"], None, None,
-                                   canon.get("initial_state"), None, opts)
+class _OpRuns:
+    """Our op's function on canonical fp32 inputs, by its reference implementation (on a GPU the op would pick
+    other kernels for fp32, less exact than a proof needs).  Runs are remembered by their inputs' values: every
+    binding of one region draws the same canonical values (only which region input gets which differs), so a
+    region with many bindings runs the op once per option set, not once per binding."""
+
+    def __init__(self):
+        self._runs: list[tuple[dict, bool, bool, tuple]] = []
+
+    def __call__(self, canon: dict, l2norm: bool, v_first: bool):
+        for seen, seen_l2norm, seen_v_first, result in self._runs:
+            if (seen_l2norm, seen_v_first) == (l2norm, v_first) and seen.keys() == canon.keys() and all(
+                    seen[n].shape == x.shape and torch.equal(seen[n], x) for n, x in canon.items()):
+                return result
+        opts = GDROptions(1.0, l2norm, False, False, False, v_first)
+        result = chunk_gdr_fwd_reference(canon["q"], canon["k"], canon["v"], canon["g"], canon["beta"], None, None,
+                                         canon.get("initial_state"), None, opts)
+        self._runs.append((canon, l2norm, v_first, result))
+        return result
 
 
 def _tolerance(region: Region) -> float:
@@ -205,7 +218,8 @@ def _tolerance(region: Region) -> float:
     return _TOLERANCE[torch.float64 if floats == {torch.float64} else torch.float32]
 
 
-def _match(region: Region, sub: fx.GraphModule, hyp, seed: int, tol: float, fixed: dict | None = None):
+def _match(region: Region, sub: fx.GraphModule, run_op: _OpRuns, hyp, seed: int, tol: float,
+           fixed: dict | None = None):
     """(error, options) of the best option set for one hypothesis on one random draw."""
     args, canon = _draw(region, hyp, seed)
     outs = type(sub).forward(sub, *args)  # not sub(...): a GraphModule call prints a traceback when its code raises
@@ -218,7 +232,7 @@ def _match(region: Region, sub: fx.GraphModule, hyp, seed: int, tol: float, fixe
     v_firsts = (h0_v_first,) if hyp[5] is not None or st_ref is None else (False, True)
     best = (math.inf, None)
     for l2norm in ((fixed["l2norm"],) if fixed else (False, True)):
-        o1, st1 = _run_op(canon, l2norm, h0_v_first)
+        o1, st1 = run_op(canon, l2norm, h0_v_first)
         for v_first in ((fixed["state_v_first"],) if fixed else v_firsts):
             st = st1 if v_first == h0_v_first else st1.mT
             if st_ref is not None and tuple(st_ref.shape) != tuple(st.shape):
@@ -266,6 +280,7 @@ def prove(gm: fx.GraphModule, region: Region, deadline: float = math.inf) -> Bin
     sub = extract(gm, region)
     tol = _tolerance(region)
     best_err = math.inf
+    run_op = _OpRuns()
     with unset_fake_temporarily(), torch.no_grad(), _one_cpu_thread():
         for n, hyp in enumerate(_hypotheses(region)):
             if n == _MAX_HYPOTHESES:
@@ -273,7 +288,7 @@ def prove(gm: fx.GraphModule, region: Region, deadline: float = math.inf) -> Bin
             if time.perf_counter() > deadline:
                 raise NotProven(f"{NotProven.TIMEOUT} after {n} binding(s)")
             try:
-                err, opts = _match(region, sub, hyp, 1234, tol)
+                err, opts = _match(region, sub, run_op, hyp, 1234, tol)
             except NotProven:
                 raise
             except Exception:  # noqa: BLE001  (a wrong binding may make the region itself fail)
@@ -281,7 +296,7 @@ def prove(gm: fx.GraphModule, region: Region, deadline: float = math.inf) -> Bin
             best_err = min(best_err, err)
             if opts is None or err > tol:
                 continue
-            err2, opts2 = _match(region, sub, hyp, 4321, tol, fixed=opts)
+            err2, opts2 = _match(region, sub, run_op, hyp, 4321, tol, fixed=opts)
             if opts2 is None or err2 > tol:
                 continue
             q, k, v, g, beta, h0, hm, _ = hyp
