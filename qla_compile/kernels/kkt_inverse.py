@@ -44,6 +44,58 @@ def _owning_sequence(chunk_offsets, n_seq, chunk):
     return lo
 
 
+@T.macro
+def solve_diagonal(ld_s, bt_s, b_s, x, y, lrow, hh, e, blk, c):
+    """One lane's share of the diagonal blocks A^-1 (blk 0) or B^-1 (blk 1) of head ``hh``: column c (32-row
+    chain, into ``x``) and column c + 16 (its 16 rows below the diagonal, into ``y``), by fp32 forward
+    substitution x_r = delta_rc + beta_r (rhs_r - sum_{j<r} KK_rj x_j), row r of the block read as float4
+    broadcasts; stored, rounded to fp16, to rows 32 e .. 32 e + 31 of ``b_s`` ([[A_h^-1, B_h^-1], ...]).
+    ``ld_s``: the two unscaled diagonal 32x32 blocks of K K^T; ``bt_s[hh]``: beta (0 for a head not there)."""
+    H, Q, LS = _HALF, _HALF // 2, _LD_STRIDE
+    half = "float16"
+    for r in T.unroll(H):
+        for v in T.unroll(H // 4):
+            if v * 4 < r:
+                for q in T.vectorized(4):
+                    lrow[v * 4 + q] = ld_s[blk, r * LS + v * 4 + q]
+        x[r] = T.float32(0)
+        for j in T.unroll(H):
+            if j < r:
+                x[r] -= lrow[j] * x[j]
+        x[r] = T.if_then_else(r == c, T.float32(1), T.float32(0)) + bt_s[hh, blk * H + r] * x[r]
+        if r >= Q:
+            y[r - Q] = T.float32(0)
+            for j in T.unroll(Q, H):
+                if j < r:
+                    y[r - Q] -= lrow[j] * y[j - Q]
+            y[r - Q] = T.if_then_else(r == c + Q, T.float32(1), T.float32(0)) + bt_s[hh, blk * H + r] * y[r - Q]
+    for r in T.unroll(H):
+        b_s[e * H + r, blk * H + c] = T.cast(x[r], half)
+    for r in T.unroll(Q):
+        b_s[e * H + r, blk * H + Q + c] = T.cast(0, half)
+    for r in T.unroll(Q, H):
+        b_s[e * H + r, blk * H + Q + c] = T.cast(y[r - Q], half)
+
+
+@T.macro
+def solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, lrow, hh, e, lane):
+    """One lane's column ``lane`` of X = B^-1 C of head ``hh`` (32-row fp32 chain), stored to the diagonal block
+    e of ``a_s`` ([[X_h0, 0], [0, X_h1]]). ``c_s``: K K^T [32:, :32] (unscaled)."""
+    H, LS = _HALF, _LD_STRIDE
+    for r in T.unroll(H):
+        for v in T.unroll(H // 4):
+            if v * 4 < r:
+                for q in T.vectorized(4):
+                    lrow[v * 4 + q] = ld_s[1, r * LS + v * 4 + q]
+        x[r] = c_s[r, lane]
+        for j in T.unroll(H):
+            if j < r:
+                x[r] -= lrow[j] * x[j]
+        x[r] = bt_s[hh, H + r] * x[r]
+    for r in T.unroll(H):
+        a_s[e * H + r, e * H + lane] = T.cast(x[r], "float16")
+
+
 @compiled
 def kkt_inverse(*, dk: int, dtype: str):
     """Per chunk and v-head: T~ = (I + strictly_lower(diag(beta) K K^T))^-1 (fp16), the gate
@@ -154,28 +206,7 @@ def kkt_inverse(*, dk: int, dtype: str):
                         hh = h0 + e
                         blk = (tx % 32) // Q
                         c = tx % Q
-                        for r in T.unroll(H):
-                            for v in T.unroll(H // 4):
-                                if v * 4 < r:
-                                    for q in T.vectorized(4):
-                                        lrow[v * 4 + q] = ld_s[blk, r * LS + v * 4 + q]
-                            x[r] = T.float32(0)
-                            for j in T.unroll(H):
-                                if j < r:
-                                    x[r] -= lrow[j] * x[j]
-                            x[r] = T.if_then_else(r == c, T.float32(1), T.float32(0)) + bt_s[hh, blk * H + r] * x[r]
-                            if r >= Q:
-                                y[r - Q] = T.float32(0)
-                                for j in T.unroll(Q, H):
-                                    if j < r:
-                                        y[r - Q] -= lrow[j] * y[j - Q]
-                                y[r - Q] = T.if_then_else(r == c + Q, T.float32(1), T.float32(0)) + bt_s[hh, blk * H + r] * y[r - Q]
-                        for r in T.unroll(H):
-                            b_s[e * H + r, blk * H + c] = T.cast(x[r], half)
-                        for r in T.unroll(Q):
-                            b_s[e * H + r, blk * H + Q + c] = T.cast(0, half)
-                        for r in T.unroll(Q, H):
-                            b_s[e * H + r, blk * H + Q + c] = T.cast(y[r - Q], half)
+                        solve_diagonal(ld_s, bt_s, b_s, x, y, lrow, hh, e, blk, c)
                         if hh < cnt:
                             for r in T.unroll(H):
                                 tt[chunk, hv0 + hh, blk * H + r, blk * H + c] = T.cast(x[r], half)
@@ -185,20 +216,7 @@ def kkt_inverse(*, dk: int, dtype: str):
                                 tt[chunk, hv0 + hh, blk * H + r, blk * H + Q + c] = T.cast(y[r - Q], half)
                     else:
                         e = tx // 32 - 2
-                        hh = h0 + e
-                        lane = tx % 32
-                        for r in T.unroll(H):
-                            for v in T.unroll(H // 4):
-                                if v * 4 < r:
-                                    for q in T.vectorized(4):
-                                        lrow[v * 4 + q] = ld_s[1, r * LS + v * 4 + q]
-                            x[r] = c_s[r, lane]
-                            for j in T.unroll(H):
-                                if j < r:
-                                    x[r] -= lrow[j] * x[j]
-                            x[r] = bt_s[hh, H + r] * x[r]
-                        for r in T.unroll(H):
-                            a_s[e * H + r, e * H + lane] = T.cast(x[r], half)
+                        solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, lrow, h0 + e, e, tx % 32)
                     # rows 32 e .. 32 e + 31, columns 0..31: X A^-1 of head h0 + e
                     T.gemm(a_s, b_s, p_f, clear_accum=True)
                     for e, i, j in T.Parallel(2, H, H):
