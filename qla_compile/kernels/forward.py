@@ -458,15 +458,15 @@ def _forward_fused_inverse(q, k, v, g, beta, scale, initial_state, cu_seqlens, u
         q, k = l2norm_fp32(q), l2norm_fp32(k)
     cu, _, order = _tables(cu_seqlens, B, T, q.device)
     h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
-    o = torch.empty_like(v)
+    v3 = v.reshape(n_tok, h_v, dv).contiguous()
+    o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
     kernel = chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=_DTYPES[q.dtype], has_h0=initial_state is not None,
                                            block_dv=dv // 2, fused_inverse=True)
-    kernel(q.reshape(n_tok, h_qk, dk).contiguous(), k.reshape(n_tok, h_qk, dk).contiguous(),
-           v.reshape(n_tok, h_v, dv).contiguous(), g.reshape(n_tok, h_v).to(torch.float32).contiguous(),
-           beta.reshape(n_tok, h_v).to(torch.float32).contiguous(), cu, order, cu[:1], h0, float(scale),
-           o.view(n_tok, h_v, dv), ht)
-    return o, ht
+    g_tok, b_tok = (x.reshape(n_tok, h_v).to(torch.float32).contiguous() for x in (g, beta))
+    kernel(q.reshape(n_tok, h_qk, dk).contiguous(), k.reshape(n_tok, h_qk, dk).contiguous(), v3, g_tok, b_tok,
+           cu, order, cu[:1], h0, float(scale), o, ht)
+    return o.view(B, T, h_v, dv), ht
 
 
 def chunk_gdr_fwd_hopper(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
