@@ -347,11 +347,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                         if j + 1 < n_run:
                             T.tma_copy(k[start + C : start + 2 * C, hk, :], kin_s, barrier=kin_full)
                         T.barrier_arrive(kin_full)
-                    for a, b in T.Parallel(C, C):
-                        if a // H == b // H:
-                            ld_s[a // H, (a % H) * inverse._LD_STRIDE + b % H] = p_f[a, b]
-                        elif a >= H:
-                            c_s[a - H, b] = p_f[a, b]
+                    inverse.split_kkt(p_f, ld_s, c_s)
                     if t < C:  # gamma by row (T.cumsum's scan assumes the CTA's first threads)
                         gam[0] = T.float32(0)
                         for u in T.unroll(C):

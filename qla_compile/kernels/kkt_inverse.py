@@ -45,6 +45,18 @@ def _owning_sequence(chunk_offsets, n_seq, chunk):
 
 
 @T.macro
+def split_kkt(p_f, ld_s, c_s):
+    """K K^T (the fp32 wgmma fragment ``p_f``, 64x64) into the substitution's smem operands: its two diagonal
+    32x32 blocks into ``ld_s`` (row stride ``_LD_STRIDE``) and the block below the diagonal into ``c_s``."""
+    H, LS = _HALF, _LD_STRIDE
+    for i, j in T.Parallel(CHUNK, CHUNK):
+        if i // H == j // H:
+            ld_s[i // H, (i % H) * LS + j % H] = p_f[i, j]
+        elif i >= H:
+            c_s[i - H, j] = p_f[i, j]
+
+
+@T.macro
 def solve_diagonal(ld_s, bt_s, b_s, x, y, lrow, hh, e, blk, c):
     """One lane's share of the diagonal blocks A^-1 (blk 0) or B^-1 (blk 1) of head ``hh``: column c (32-row
     chain, into ``x``) and column c + 16 (its 16 rows below the diagonal, into ``y``), by fp32 forward
@@ -177,11 +189,7 @@ def kkt_inverse(*, dk: int, dtype: str):
                     if i // H != j // H:
                         a_s[i, j] = T.cast(0, half)
                 T.gemm(k_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    if i // H == j // H:
-                        ld_s[i // H, (i % H) * LS + j % H] = p_f[i, j]
-                    elif i >= H:
-                        c_s[i - H, j] = p_f[i, j]
+                split_kkt(p_f, ld_s, c_s)
                 if tx < C:  # row tx: |k|^2 from the diagonal of K K^T
                     kk = ld_s[tx // H, (tx % H) * LS + tx % H]
                     for h in T.unroll(GB):
