@@ -196,9 +196,7 @@ def profile_step(step, by_launch=False):
     ranged = {e.key for e in spans}
     inside = {id(e): e for e in kernels if any(
         s.time_range.start <= e.time_range.start and e.time_range.end <= s.time_range.end for s in spans)}
-    launched_by = collections.defaultdict(list)  # a CPU op's id -> the kernels it launched
-    for e in kernels:
-        launched_by[e.linked_correlation_id].append(e)
+    launched_by = _launches(prof.events(), kernels)
     for event in prof.events():  # the other GDN ops: the kernels below them (outermost ones only)
         if (event.key in GDN_OPS and event.key not in ranged and event.device_type != cuda
                 and not _below_gdn(event.cpu_parent)):
@@ -238,6 +236,28 @@ def _below_gdn(event):
             return True
         event = event.cpu_parent
     return False
+
+
+def _launches(events, kernels):
+    """A CPU op's id -> the kernels it launched. By the kernel's correlation id where the profiler gives it (torch
+    2.13); else (torch 2.11) by the (name, duration) records a CPU op keeps of its kernels, matched to the kernel
+    events one by one in time order."""
+    import collections
+
+    launched_by = collections.defaultdict(list)
+    if kernels and hasattr(kernels[0], "linked_correlation_id"):
+        for e in kernels:
+            launched_by[e.linked_correlation_id].append(e)
+        return launched_by
+    by_record = collections.defaultdict(collections.deque)
+    for e in sorted(kernels, key=lambda e: e.time_range.start):
+        by_record[e.name, e.time_range.end - e.time_range.start].append(e)
+    for event in sorted(events, key=lambda e: e.time_range.start):
+        for record in getattr(event, "kernels", ()):
+            match = by_record.get((record.name, record.duration))
+            if match:
+                launched_by[event.id].append(match.popleft())
+    return launched_by
 
 
 def _kernels_below(event, launched_by):
