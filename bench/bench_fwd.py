@@ -50,8 +50,7 @@ HEADS_WIDE = [(16, 16), (32, 32)]
 SEQS_WIDE = ["512x64", "4096x8"]
 HEAD_SETS = {"default": HEADS, "wide": HEADS_WIDE, "all": HEADS + HEADS_WIDE}
 SEQ_SETS = {"default": SEQS, "wide": SEQS_WIDE, "all": SEQS + SEQS_WIDE}
-# table order; qla always runs. "qla-fused" is our one-kernel candidate (``fused_inverse``), timed as a peer
-PEERS = ["fla", "flashqla", "flashinfer", "flashinfer-0.7", "qla-fused"]
+PEERS = ["fla", "flashqla", "flashinfer", "flashinfer-0.7"]  # table order; qla always runs
 FI07 = "flashinfer-0.7"
 ORACLE_TOKENS = 1024
 
@@ -63,9 +62,6 @@ def peers(selected):
     from qla_compile.kernels import chunk_gdr_fwd_hopper
 
     fns["qla"] = lambda x: chunk_gdr_fwd_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["h0"], x["cu"])
-    if "qla-fused" in selected:
-        fns["qla-fused"] = lambda x: chunk_gdr_fwd_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"],
-                                                          x["h0"], x["cu"], fused_inverse=True)
     if "fla" in selected:
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
@@ -460,8 +456,7 @@ def save(out, rows, meta):
     return md
 
 
-LABELS = {"qla": "qla", "fla": "FLA", "flashqla": "FlashQLA", "flashinfer": "FlashInfer", FI07: "FlashInfer 0.7",
-          "qla-fused": "qla fused-inverse"}
+LABELS = {"qla": "qla", "fla": "FLA", "flashqla": "FlashQLA", "flashinfer": "FlashInfer", FI07: "FlashInfer 0.7"}
 
 
 def render(rows, meta):

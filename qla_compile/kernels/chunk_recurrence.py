@@ -15,8 +15,6 @@ gate cumsum come from ``kkt_inverse`` (notation and chunk numbering there). Per 
 
 Two more modes share this body: ``transition`` (context parallelism, see ``context_parallel``) and ``store_h``
 (the backward's state recompute: no output; WG0 also writes S_i in fp16, which WG2 TMA-stores per chunk).
-A variant, ``fused_inverse``, forms T~ and the gate cumsum in WG3 instead of reading them from ``kkt_inverse``
-(one kernel; a candidate for many sequences x heads, not chosen by default yet).
 
 The state chain per chunk is publish S -> K S -> W' -> A_g W' -> (r o K)^T V'; the rest runs beside it.
 Every gate factor is one SFU ex2 of a difference of per-row and per-column terms that each thread
@@ -32,18 +30,11 @@ fp32 accumulators and gate tables.
 
 import tilelang.language as T
 
-from . import kkt_inverse as inverse
 from ._build import compiled
 from .chunking import CHUNK
 
-# setmaxnreg per warpgroup (state, delta, output, producer): sums to 512 = 65536 registers / 128; a count
-# above the launch's 128 is an increase, one below a decrease (setmaxnreg.inc / .dec).
+# setmaxnreg per warpgroup (state, delta, output, producer): sums to 512 = 65536 registers / 128.
 _NREG = (192, 136, 160, 24)
-# The same with ``fused_inverse`` (block_dv 64): WG3 also forms T~, and the smaller V tile frees its registers.
-_NREG_FUSED = (144, 112, 120, 136)
-# The named barrier (bar.sync id) WG3 of ``fused_inverse`` syncs its own 128 threads with; TileLang's
-# automatic ones take ids 3 to 6 (one per warpgroup).
-_WG3_BARRIER = 8
 _LOG2E = 1.4426950408889634
 # ex2 / lg2 on the SFU with denormals flushed: one instruction each (the non-ftz forms add range fix-ups).
 _PTX = r"""
@@ -76,7 +67,7 @@ def _gamma_times(gb_s, st, a, b, row_log2=0.0, col_log2=0.0):
 
 @compiled
 def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128, transition: bool = False,
-                 store_h: bool = False, fused_inverse: bool = False):
+                 store_h: bool = False):
     """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0,
     scale, o, ht)``, ``order`` the sequences in launch order (``forward._tables``: longest first, so that the
     longest walks start first). ``ht_rows`` int32: the row of ``ht`` each walk's final state goes to (-1: none;
@@ -94,16 +85,8 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     With ``store_h`` (the backward's state recompute) it computes no output but stores every chunk's
     start state in fp16: ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, h0, h)`` with
     ``h[chunk_offsets[n] + j, hv]`` the state before chunk j of sequence n (q is not read).
-
-    With ``fused_inverse`` (block_dv 64, output mode only) no ``kkt_inverse`` runs first: WG3 forms T~ and
-    [gamma; beta] of each chunk itself, from its own copy of K (prefetched a chunk ahead) and the activated fp32
-    gates, ``kernel(q, k, v, g, beta, cu_seqlens, order, ht_rows, h0, scale, o, ht)`` with g, beta
-    ``[n_tok, H_v]``; two of its warps also load the q, k, v ring. Its inverse is ``kkt_inverse``'s (the same
-    substitution macros, the second head of each pair a dummy with beta = 0) and runs up to two chunks ahead of
-    the consumers: only its stores into the T~ ring wait for the slot.
     """
     assert not (transition and store_h)
-    assert not fused_inverse or (block_dv == 64 and not (transition or store_h))
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
@@ -117,11 +100,8 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     n_slices = dv // BV + (dk // BV if transition else 0)
     has_out = not (transition or store_h)
 
-    fused = fused_inverse
-    nreg = _NREG_FUSED if fused else _NREG
-
     @T.macro
-    def body(q, k, v, tt, gb, g, beta, cu_seqlens, chunk_offsets, order, ht_rows, h0, skip, scale, o, ht, mt, h):
+    def body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, skip, scale, o, ht, mt, h):
         # the sequence is the slowest grid dimension: CTAs start in ``order``, every head of a sequence together
         with T.Kernel(h_v, n_slices, n_seq1 - 1, threads=512) as (hv, bv, rank):
             T.import_source(_PTX)
@@ -139,20 +119,8 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             p_s = T.alloc_shared((C, C), half) if has_out else None  # P_g
             hs_s = T.alloc_shared((dk, BV), half) if store_h else None  # S_i in fp16 for h
             rk_s = T.alloc_shared((C,), acc)  # r, 0 past the sequence end
-            if fused:  # WG3's inverse (``kkt_inverse``'s buffers, for one v-head and a dummy)
-                H, Q = inverse._HALF, inverse._HALF // 2
-                kin_s = T.alloc_shared((C, dk), dtype)  # K of the chunk being inverted
-                ld_s = T.alloc_shared((2, inverse._LD_BLOCK), acc)
-                c_s = T.alloc_shared((H, inverse._LD_STRIDE), acc)
-                bt_s = T.alloc_shared((2, C), acc)  # beta, 0 past the sequence end; row 1 (the dummy) 0
-                gt_s = T.alloc_shared((C,), acc)  # g
-                gm_s = T.alloc_shared((C,), acc)  # gamma
-                a_s = T.alloc_shared((C, C), half)
-                b_s = T.alloc_shared((C, C), half)
-                kin_full = T.alloc_barrier(32)  # WG3's first warp + TMA bytes
-                inv_ready = T.alloc_barrier([128, 128])  # WG3 wrote T~ and [gamma; beta] into a stage
 
-            full = T.alloc_barrier([64, 64] if fused else [96, 96])  # the producer warps + TMA bytes
+            full = T.alloc_barrier([96, 96])  # 3 producer warps + TMA bytes
             empty = T.alloc_barrier([384, 384])  # every consumer thread
             s_ready = T.alloc_barrier(128)  # WG0 published S_i
             s_free = T.alloc_barrier(256)  # WG1 and WG2 have read S_i
@@ -167,7 +135,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             v0 = bv * BV
             bos = cu_seqlens[seq]
             seqlen = cu_seqlens[seq + 1] - bos
-            coff = 0 if fused else chunk_offsets[seq]
+            coff = chunk_offsets[seq]
             n_iter = T.ceildiv(seqlen, C)
             tx = T.get_thread_binding()
             # chunks [i0, n_iter) are run; M slices (transition only) run when skip < 0
@@ -179,7 +147,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             n_run = n_iter - i0
 
             if tx < 128:  # WG0: the state
-                T.set_max_nreg(nreg[0], int(nreg[0] > 128))
+                T.set_max_nreg(_NREG[0], 1)
                 s_f = T.alloc_fragment((dk, BV), acc)
                 decay = T.alloc_var(acc)
                 if transition:
@@ -203,8 +171,6 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                         T.fence_proxy_async()
                         T.barrier_arrive(h_ready)
                     T.barrier_wait(full[st], (j // 2) % 2)
-                    if fused:
-                        T.barrier_wait(inv_ready[st], (j // 2) % 2)
                     for r in T.Parallel(C):
                         rk_s[r] = _exp(gb_s[st, 0, C - 1] - gb_s[st, 0, r]) * T.cast(r < length, acc)
                     for r, d in T.Parallel(C, dk):
@@ -227,15 +193,13 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                         T.copy(s_f, ht[row, hv, :, v0 : v0 + BV])
 
             elif tx < 256:  # WG1: the delta rule
-                T.set_max_nreg(nreg[1], int(nreg[1] > 128))
+                T.set_max_nreg(_NREG[1], 1)
                 u_f = T.alloc_fragment((C, BV), acc)
                 a_f = T.alloc_fragment((C, C), acc)
                 e_f = T.alloc_fragment((C,), acc)
                 for j in T.serial(n_run):
                     st = j % 2
                     T.barrier_wait(full[st], (j // 2) % 2)
-                    if fused:
-                        T.barrier_wait(inv_ready[st], (j // 2) % 2)
                     T.copy(tt_s[st, :, :], a_f)
                     for a, b in T.Parallel(C, C):
                         a_f[a, b] = a_f[a, b] * _gamma_times(gb_s, st, a, b, col_log2=_lg2(gb_s[st, 1, b]))
@@ -263,7 +227,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     T.barrier_arrive(empty[st])
 
             elif tx < 384:  # WG2: the output
-                T.set_max_nreg(nreg[2], int(nreg[2] > 128))
+                T.set_max_nreg(_NREG[2], 1)
                 if not has_out:  # no output: the hand-off protocol, and the h stores
                     for j in T.serial(n_run):
                         T.barrier_wait(s_ready, j % 2)
@@ -285,8 +249,6 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                         start = bos + i * C
                         length = T.min(seqlen - i * C, C)
                         T.barrier_wait(full[st], (i // 2) % 2)
-                        if fused:
-                            T.barrier_wait(inv_ready[st], (i // 2) % 2)
                         T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
                         T.barrier_wait(s_ready, i % 2)
                         T.wgmma_gemm(q_s[st, :, :], s_s, o_f, clear_accum=True)
@@ -315,71 +277,6 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                                     o[start + a, hv, v0 + b] = q_s[st, a, b]
                             T.fence_proxy_async()
                         T.barrier_arrive(empty[st])
-
-            elif fused:  # WG3: the inverse of each chunk, and the q, k, v ring
-                T.set_max_nreg(nreg[3], int(nreg[3] > 128))
-                p_f = T.alloc_fragment((C, C), acc)
-                x = T.alloc_local((H,), acc)
-                y = T.alloc_local((Q,), acc)
-                lrow = T.alloc_local((H,), acc)
-                gam = T.alloc_local((1,), acc)
-                t = tx - 384
-                for a, b in T.Parallel(C, C):
-                    if a // H != b // H:
-                        a_s[a, b] = T.cast(0, half)
-                for r in T.Parallel(C):
-                    bt_s[1, r] = T.float32(0)
-                if tx < 416:
-                    if n_run > 0:
-                        T.tma_copy(k[bos : bos + C, hk, :], kin_s, barrier=kin_full)
-                    T.barrier_arrive(kin_full)
-                for j in T.serial(n_run):
-                    st = j % 2
-                    start = bos + j * C
-                    length = T.min(seqlen - j * C, C)
-                    for r in T.Parallel(C):
-                        gt_s[r] = T.if_then_else(r < length, g[start + r, hv], T.float32(0))
-                        bt_s[0, r] = T.if_then_else(r < length, beta[start + r, hv], T.float32(0))
-                    T.barrier_wait(kin_full, j % 2)
-                    T.gemm(kin_s, kin_s, p_f, transpose_B=True, clear_accum=True)
-                    T.sync_threads(_WG3_BARRIER, 128)  # every warp's part of K K^T has read kin_s
-                    if tx < 416:  # the next chunk's K while this one is solved
-                        if j + 1 < n_run:
-                            T.tma_copy(k[start + C : start + 2 * C, hk, :], kin_s, barrier=kin_full)
-                        T.barrier_arrive(kin_full)
-                    inverse.split_kkt(p_f, ld_s, c_s)
-                    if t < C:  # gamma by row (T.cumsum's scan assumes the CTA's first threads)
-                        gam[0] = T.float32(0)
-                        for u in T.unroll(C):
-                            if u <= t:
-                                gam[0] += gt_s[u]
-                        gm_s[t] = gam[0]
-                    if t < 64:
-                        inverse.solve_diagonal(ld_s, bt_s, b_s, x, y, lrow, t // 32, t // 32, (t % 32) // Q, t % Q)
-                    else:
-                        inverse.solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, lrow, t // 32 - 2, t // 32 - 2, t % 32)
-                    T.fence_proxy_async()
-                    T.gemm(a_s, b_s, p_f, clear_accum=True)  # rows 0..31, columns 0..31: X A^-1
-                    # the stage's slot: chunk j - 2 consumed; this chunk's q, k, v, then its T~ and gates
-                    T.barrier_wait(empty[st], (j // 2 + 1) % 2)
-                    if tx < 416:
-                        T.tma_copy(q[start : start + C, hk, :], q_s[st, :, :], barrier=full[st])
-                        T.tma_copy(k[start : start + C, hk, :], k_s[st, :, :], barrier=full[st])
-                        T.barrier_arrive(full[st])
-                    elif tx < 448:
-                        T.tma_copy(v[start : start + C, hv, v0 : v0 + BV], v_s[st, :, :], barrier=full[st])
-                        T.barrier_arrive(full[st])
-                    for a, b in T.Parallel(C, C):
-                        if (a < H) & (b < H):
-                            tt_s[st, H + a, b] = T.cast(-p_f[a, b], half)
-                    for a, b in T.Parallel(H, C):
-                        tt_s[st, a, b] = T.if_then_else(b < H, b_s[a, b], T.cast(0, half))
-                        if b >= H:
-                            tt_s[st, H + a, b] = b_s[a, b]
-                    for r in T.Parallel(C):
-                        gb_s[st, 0, r] = gm_s[r]
-                        gb_s[st, 1, r] = bt_s[0, r]
-                    T.barrier_arrive(inv_ready[st])
 
             else:  # WG3: producer warps
                 T.set_max_nreg(_NREG[3], 0)
@@ -420,8 +317,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             ht: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
             mt: T.Tensor((n_seq1 - 1, h_v, dk, dk), acc),
         ):
-            body(q, k, v, tt, gb, None, None, cu_seqlens, chunk_offsets, order, None, None, skip, None, None, ht, mt,
-                 None)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, None, None, skip, None, None, ht, mt, None)
 
     elif store_h:
 
@@ -438,27 +334,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             h0: T.Tensor((n_h0, h_v, dk, dv), acc),
             h: T.Tensor((n_chunk, h_v, dk, dv), half),
         ):
-            body(q, k, v, tt, gb, None, None, cu_seqlens, chunk_offsets, order, None, h0, None, None, None, None, None,
-                 h)
-
-    elif fused:
-
-        @T.prim_func
-        def kernel(
-            q: T.Tensor((n_tok, h_qk, dk), dtype),
-            k: T.Tensor((n_tok, h_qk, dk), dtype),
-            v: T.Tensor((n_tok, h_v, dv), dtype),
-            g: T.Tensor((n_tok, h_v), acc),
-            beta: T.Tensor((n_tok, h_v), acc),
-            cu_seqlens: T.Tensor((n_seq1,), "int32"),
-            order: T.Tensor((n_seq1 - 1,), "int32"),
-            ht_rows: T.Tensor((n_rows,), "int32"),
-            h0: T.Tensor((n_h0, h_v, dk, dv), acc),
-            scale: T.float32,
-            o: T.Tensor((n_tok, h_v, dv), dtype),
-            ht: T.Tensor((n_ht, h_v, dk, dv), acc),
-        ):
-            body(q, k, v, None, None, g, beta, cu_seqlens, None, order, ht_rows, h0, None, scale, o, ht, None, None)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, None, h0, None, None, None, None, None, h)
 
     else:
 
@@ -478,8 +354,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             o: T.Tensor((n_tok, h_v, dv), dtype),
             ht: T.Tensor((n_ht, h_v, dk, dv), acc),
         ):
-            body(q, k, v, tt, gb, None, None, cu_seqlens, chunk_offsets, order, ht_rows, h0, None, scale, o, ht, None,
-                 None)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, None, scale, o, ht, None, None)
 
     return kernel
 
@@ -498,5 +373,4 @@ def variants():
         for block_dv in (128, 64)
     ]
     states = [dict(p, store_h=True) for p in full]
-    fused = [dict(p, fused_inverse=True) for p in full if p["block_dv"] == 64]
-    return [("chunk_fwd_ws", params) for params in full + cp + states + fused]
+    return [("chunk_fwd_ws", params) for params in full + cp + states]

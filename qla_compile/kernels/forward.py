@@ -444,48 +444,15 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     return o.view(B, T, h_v, dv), ht, tt, gb, offsets, cache
 
 
-def _forward_fused_inverse(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, context_parallel):
-    """``(o, final_state)`` by the one-kernel forward (``chunk_fwd_ws`` with ``fused_inverse``: T~ formed on chip,
-    V split in two), or None where the call runs context-parallel or is empty (the two-kernel path serves it)."""
-    _check(q, k, v, g, beta, initial_state, cu_seqlens)
-    _check_context_parallel(context_parallel)
-    B, T, h_qk, dk = q.shape
-    h_v, dv = v.shape[2], v.shape[3]
-    n_tok, n_seq = B * T, (B if cu_seqlens is None else cu_seqlens.numel() - 1)
-    if n_tok == 0 or _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device, False) is not None:
-        return None
-    if use_qk_l2norm:
-        q, k = l2norm_fp32(q), l2norm_fp32(k)
-    cu, _, order = _tables(cu_seqlens, B, T, q.device)
-    h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
-    v3 = v.reshape(n_tok, h_v, dv).contiguous()
-    o = torch.empty_like(v3)
-    ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
-    kernel = chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=_DTYPES[q.dtype], has_h0=initial_state is not None,
-                                           block_dv=dv // 2, fused_inverse=True)
-    g_tok, b_tok = (x.reshape(n_tok, h_v).to(torch.float32).contiguous() for x in (g, beta))
-    kernel(q.reshape(n_tok, h_qk, dk).contiguous(), k.reshape(n_tok, h_qk, dk).contiguous(), v3, g_tok, b_tok,
-           cu, order, cu[:1], h0, float(scale), o, ht)
-    return o.view(B, T, h_v, dv), ht
-
-
 def chunk_gdr_fwd_hopper(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
-                         use_qk_l2norm: bool = False, context_parallel=None, fused_inverse: bool = False):
+                         use_qk_l2norm: bool = False, context_parallel=None):
     """GDN chunked forward on SM90.
 
     q, k: ``[B, T, H_qk, K]``; v: ``[B, T, H_v, V]`` (bf16 or fp16, same dtype); g: ``[B, T, H_v]`` log-space
     gate (<= 0, fp32 or q's dtype); beta: ``[B, T, H_v]`` (already activated); initial_state: fp32
     ``[N, H_v, K, V]`` or None; cu_seqlens: ``[N+1]`` int (B == 1) or None.
-    ``fused_inverse``: where the call runs unsplit, one kernel that forms T~ on chip instead of ``kkt_inverse``
-    then the recurrence (issue 20's candidate for many sequences x heads; off until it is measured on the GPU,
-    ``bench/NOTES-fwd.md``).
     Returns ``o`` ``[B, T, H_v, V]`` in v's dtype and the fp32 final state ``[N, H_v, K, V]``.
     """
-    if fused_inverse:
-        out = _forward_fused_inverse(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm,
-                                     context_parallel)
-        if out is not None:
-            return out
     o, ht, *_ = chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm,
                                          context_parallel, for_backward=False)
     return o, ht
