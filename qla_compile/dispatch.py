@@ -167,9 +167,10 @@ def forward_keeping(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
     kernels' inputs (:class:`Activated`), which :func:`backward_activated` takes instead of recomputing them
     (else None)."""
     impl = select(q, k, v)
-    if impl == "fla" and _keeps_fla_aux(opts, for_backward):
-        return (*_fla_leaf_forward(q, k, v, g, beta, initial_state, cu_seqlens, opts),
-                q.new_empty(0, dtype=torch.float32)), None
+    if impl == "fla" and _on_fla_leaves(opts):
+        o, ht, *fla_aux = _fla_leaf_forward(q, k, v, g, beta, initial_state, cu_seqlens, opts)
+        aux = fla_aux if for_backward else aux_like(q, k, v, cu_seqlens)
+        return (o, ht, *aux, q.new_empty(0, dtype=torch.float32)), None
     if impl != "hopper":
         run = _fla_forward if impl == "fla" else chunk_gdr_fwd_reference
         o, ht = run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
@@ -275,34 +276,54 @@ _FLA_LEAF_PARAMS = {
 }
 
 
-def _keeps_fla_aux(opts: GDROptions | None, for_backward: bool) -> bool:
-    """Whether a call on FLA's kernels keeps FLA's own aux for its backward (:func:`fla_leaves`): one a backward
-    follows, with the input activations outside the op (as traced calls have them), so that FLA's leaves take
-    exactly its inputs."""
+def _on_fla_leaves(opts: GDROptions | None) -> bool:
+    """Whether a call on FLA's kernels runs FLA's forward leaf (:func:`fla_leaves`) rather than its public op: one
+    with the input activations outside the op (as traced calls have them), so that FLA's leaves take exactly its
+    inputs. The leaf skips the public op's backend dispatch and autograd function, ~60 us of host time a call on
+    the development machine's CPU (``bench/NOTES-model.md``, session 23)."""
     plain = opts is not None and not (opts.use_qk_l2norm_in_kernel or opts.use_gate_in_kernel
                                       or opts.use_beta_sigmoid_in_kernel)
-    return for_backward and plain and fla_leaves() is not None
+    return plain and fla_leaves() is not None
+
+
+def _keeps_fla_aux(opts: GDROptions | None, for_backward: bool) -> bool:
+    """Whether a call on FLA's kernels keeps FLA's own aux for its backward: one on FLA's leaves
+    (:func:`_on_fla_leaves`) that a backward follows."""
+    return for_backward and _on_fla_leaves(opts)
 
 
 def _fla_leaf_forward(q, k, v, g, beta, initial_state, cu_seqlens, opts: GDROptions):
-    """``(o, final_state, A, g_cumsum)`` from FLA's forward leaf, its A and gate cumsum flat (the aux)."""
-    g_cumsum, o, A, ht, *_ = fla_leaves()[0](
-        q=q, k=k, v=v, g=g, beta=beta, scale=opts.scale, initial_state=initial_state, output_final_state=True,
-        state_v_first=opts.state_v_first, cu_seqlens=cu_seqlens,
-    )
+    """``(o, final_state, A, g_cumsum)`` from FLA's forward leaf, its A and gate cumsum flat (the aux). The
+    inputs go contiguous and the call runs on their device, as FLA's ``input_guard`` has them for its leaves."""
+    q, k, v, g, beta, initial_state = _guarded(q, k, v, g, beta, initial_state)
+    with _on_device(q):
+        g_cumsum, o, A, ht, *_ = fla_leaves()[0](
+            q=q, k=k, v=v, g=g, beta=beta, scale=opts.scale, initial_state=initial_state, output_final_state=True,
+            state_v_first=opts.state_v_first, cu_seqlens=cu_seqlens,
+        )
     return o.to(v.dtype), ht.float(), A.to(k.dtype).reshape(-1), g_cumsum.float().reshape(-1)
 
 
 def _fla_leaf_backward(do, dht, q, k, v, g, beta, initial_state, cu_seqlens, opts: GDROptions, aux):
     """Every input gradient from FLA's backward leaf, given the forward's aux (:func:`_fla_leaf_forward`)."""
     shape = v.shape[:3]
-    dq, dk, dv, db, dg, dh0, *_ = fla_leaves()[1](
-        q=q, k=k, v=v, g=aux[1].view(shape), beta=beta, A=aux[0].view(*shape, CHUNK), scale=opts.scale,
-        initial_state=initial_state, do=do.to(v.dtype), dht=dht, state_v_first=opts.state_v_first,
-        cu_seqlens=cu_seqlens,
-    )
+    q, k, v, beta, initial_state, do, dht = _guarded(q, k, v, beta, initial_state, do.to(v.dtype), dht)
+    with _on_device(q):
+        dq, dk, dv, db, dg, dh0, *_ = fla_leaves()[1](
+            q=q, k=k, v=v, g=aux[1].view(shape), beta=beta, A=aux[0].view(*shape, CHUNK), scale=opts.scale,
+            initial_state=initial_state, do=do, dht=dht, state_v_first=opts.state_v_first, cu_seqlens=cu_seqlens,
+        )
     dh0 = None if dh0 is None else dh0.to(initial_state.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype), None, None, dh0
+
+
+def _guarded(*tensors):
+    return tuple(None if t is None else t.contiguous() for t in tensors)
+
+
+def _on_device(t):
+    """The CUDA device context of ``t`` (FLA's Triton kernels launch on the current device), or a no-op."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def _fla_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions):

@@ -41,17 +41,13 @@ def test_fla_route_gives_the_reference_values(compiled, monkeypatch):
         assert rel_err(grads[name], g_ref[name]) < 1e-3, name
 
 
-def test_compiled_fla_route_keeps_flas_aux_for_its_backward(monkeypatch):
-    """A compiled training call on FLA's kernels runs FLA's forward once: its forward leaf's A and gate cumsum go
-    to its backward leaf as they came (the reference stands in for both leaves), with the reference's values."""
+def _reference_fla_leaves(calls):
+    """Stand-ins for FLA's forward and backward leaves (``dispatch.fla_leaves``), on the reference, that record
+    their calls; the forward's A is random, so that the backward can check it gets the very tensor."""
     from qla_compile.reference import GDROptions, chunk_gdr_bwd_reference, chunk_gdr_fwd_reference
 
-    kw = make_inputs(T=90, H=2, HV=4, K=16, V=16, l2norm=True, gate_in_kernel=True, beta_sigmoid=True,
-                     initial_state=True, state_v_first=True, cu_seqlens=[0, 40, 90], seed=5)
-    o_ref, st_ref, g_ref = _run(kw)
-    calls = []
-
     def fwd(q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first, cu_seqlens):
+        assert all(t.is_contiguous() for t in (q, k, v, g, beta, initial_state)), "FLA's leaves take contiguous inputs"
         opts = GDROptions(scale, state_v_first=state_v_first)
         o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, None, None, initial_state, cu_seqlens, opts)
         A, g_cumsum = torch.randn(*v.shape[:3], 64).to(k.dtype), g.float().cumsum(1)  # FLA's aux, as it shapes it
@@ -67,14 +63,51 @@ def test_compiled_fla_route_keeps_flas_aux_for_its_backward(monkeypatch):
             GDROptions(scale, state_v_first=state_v_first))
         return dq, dk, dv, db, dg, dh0, None, None
 
+    return fwd, bwd
+
+
+def _fla_route_inputs(seed):
+    return make_inputs(T=90, H=2, HV=4, K=16, V=16, l2norm=True, gate_in_kernel=True, beta_sigmoid=True,
+                       initial_state=True, state_v_first=True, cu_seqlens=[0, 40, 90], seed=seed)
+
+
+def test_compiled_fla_route_keeps_flas_aux_for_its_backward(monkeypatch):
+    """A compiled training call on FLA's kernels runs FLA's forward once: its forward leaf's A and gate cumsum go
+    to its backward leaf as they came (the reference stands in for both leaves), with the reference's values."""
+    kw = _fla_route_inputs(seed=5)
+    o_ref, st_ref, g_ref = _run(kw)
+    calls = []
     monkeypatch.setattr(dispatch, "choose", lambda q, k, v: ("fla", "FLA stands in"))
-    monkeypatch.setattr(dispatch, "fla_leaves", lambda: (fwd, bwd))
+    monkeypatch.setattr(dispatch, "fla_leaves", lambda: _reference_fla_leaves(calls))
     torch._dynamo.reset()
     o, st, grads = _run(kw, torch.compile(qla_compile.chunk_gated_delta_rule, backend="aot_eager", fullgraph=True))
     assert [c[0] for c in calls] == ["fwd", "bwd"]
     assert rel_err(o, o_ref) < 1e-4 and rel_err(st, st_ref) < 1e-4
     for name in g_ref:
         assert rel_err(grads[name], g_ref[name]) < 1e-3, name
+
+
+def test_compiled_inference_call_on_fla_runs_its_forward_leaf_not_its_public_op(monkeypatch):
+    """A compiled call on FLA's kernels without grad (non-contiguous v) goes to FLA's forward leaf directly,
+    skipping its public op's backend dispatch and autograd function, with the reference's values."""
+    kw = _fla_route_inputs(seed=7)
+    kw["v"] = kw["v"].transpose(1, 2).contiguous().transpose(1, 2)  # the same values, head-major in memory
+    with torch.no_grad():
+        o_ref, st_ref = qla_compile.recurrent_gdr_reference(**kw, output_final_state=True)
+    calls = []
+
+    def public_op(*args, **kwargs):
+        raise AssertionError("FLA's public op ran")
+
+    monkeypatch.setattr(dispatch, "choose", lambda q, k, v: ("fla", "FLA stands in"))
+    monkeypatch.setattr(dispatch, "fla_op", lambda: public_op)
+    monkeypatch.setattr(dispatch, "fla_leaves", lambda: _reference_fla_leaves(calls))
+    torch._dynamo.reset()
+    compiled = torch.compile(qla_compile.chunk_gated_delta_rule, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        o, st = compiled(**kw, output_final_state=True)
+    assert [c[0] for c in calls] == ["fwd"]
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(st, st_ref) < 1e-4
 
 
 def test_a_gpu_call_without_our_kernels_or_fla_runs_the_reference(monkeypatch):

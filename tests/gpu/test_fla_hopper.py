@@ -145,7 +145,7 @@ def test_compiled_fla_layer_is_one_graph_with_flas_leaves():
 def test_compiled_call_on_flas_kernels_runs_its_forward_once(monkeypatch):
     """A compiled training call our kernels do not take (K = V = 64) runs on FLA's kernels with FLA's forward
     once: its forward leaf's aux goes to its backward leaf (no recompute), and the outputs and gradients equal
-    FLA's own op's, eagerly."""
+    FLA's own op's, eagerly; without grad the forward leaf alone runs."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     from qla_compile import dispatch
@@ -168,7 +168,14 @@ def test_compiled_call_on_flas_kernels_runs_its_forward_once(monkeypatch):
     monkeypatch.setattr(dispatch, "fla_leaves", lambda: counted)
     theirs = run(chunk_gated_delta_rule)
     torch._dynamo.reset()
-    ours = run(torch.compile(qla_compile.chunk_gated_delta_rule, backend=qla_compile.backend, fullgraph=True))
+    compiled = torch.compile(qla_compile.chunk_gated_delta_rule, backend=qla_compile.backend, fullgraph=True)
+    ours = run(compiled)
     assert calls == ["f", "b"], calls
     for name, a, b in zip(["o", "final_state", *names], ours, theirs):
         assert rel_err(a, b) < 2e-2, (name, rel_err(a, b))  # our graph's activations vs FLA's fused ones
+    calls.clear()  # without grad: FLA's forward leaf alone, not its public op
+    with torch.no_grad():
+        ours = compiled(**kw, output_final_state=True)
+    assert calls == ["f"], calls
+    for name, a, b in zip(["o", "final_state"], ours, theirs):
+        assert rel_err(a, b) < 2e-2, (name, rel_err(a, b))
