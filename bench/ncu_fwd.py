@@ -1,0 +1,86 @@
+"""Our forward and FlashInfer 0.6.13's on one shape, each in its own NVTX range, for Nsight Compute on the GPU
+machine (issue 20: where the per-chunk time of each kernel goes at high parallelism):
+
+    ncu --nvtx --nvtx-include "qla/" --nvtx-include "flashinfer/" --csv --metrics $(python bench/ncu_fwd.py --metrics) \\
+        python bench/ncu_fwd.py --heads 32/32 --seqs 4096x8 > $OUT/ncu.csv
+    python bench/ncu_fwd.py --table $OUT/ncu.csv
+
+Each implementation runs once to warm up (outside the ranges), then once inside its range; the two outputs are
+checked against each other (relative L2) before the profiled calls. ``--table`` prints one row per kernel.
+"""
+
+import argparse
+import csv
+import functools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.bench_fwd import peers  # noqa: E402
+from bench.common import make_inputs, parse_seqs, rel_l2  # noqa: E402
+
+METRICS = {  # ncu metric -> column
+    "gpu__time_duration.sum": "us",
+    "launch__grid_size": "CTAs",
+    "launch__registers_per_thread": "regs",
+    "launch__shared_mem_per_block_dynamic": "dyn smem",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue active %",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor pipe %",
+    "sm__inst_executed.sum": "warp instr",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "DRAM %",
+    "smsp__average_warp_latency_issue_stalled_barrier.ratio": "stall barrier",
+    "smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio": "stall long sb",
+}
+
+
+def table(path):
+    """One line per profiled kernel from ``ncu --csv`` output (long format: a row per kernel and metric)."""
+    with open(path) as f:
+        lines = [ln for ln in f if ln.startswith('"')]  # skip the program's own output and ncu's banners
+    kernels = {}
+    for row in csv.DictReader(lines):
+        rng = next((v for k, v in row.items() if k and ("Push/Pop" in k or "NVTX" in k)), "")  # --nvtx's column
+        key = (row["ID"], rng, row["Kernel Name"][:48])
+        kernels.setdefault(key, {})[METRICS.get(row["Metric Name"], row["Metric Name"])] = row["Metric Value"]
+    cols = list(METRICS.values())
+    print("| id | range | kernel | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 3) + "|")
+    for (kid, rng, name), vals in kernels.items():
+        print(f"| {kid} | {rng} | {name} | " + " | ".join(vals.get(c, "-") for c in cols) + " |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", default="32/32", help="H_qk/H_v")
+    ap.add_argument("--seqs", default="4096x8", help="sequence mix (bench_fwd's notation)")
+    ap.add_argument("--metrics", action="store_true", help="print the ncu metric list and exit")
+    ap.add_argument("--table", metavar="CSV", help="print the kernels of an ncu --csv output and exit")
+    args = ap.parse_args()
+    if args.metrics:
+        return print(",".join(METRICS))
+    if args.table:
+        return table(args.table)
+    hk, hv = (int(s) for s in args.heads.split("/"))
+    x = make_inputs(hk, hv, parse_seqs(args.seqs))
+    fns = peers(["flashinfer"])
+    outs = {name: fn(x) for name, fn in fns.items()}  # warm-up (and FlashInfer's scratch) outside the ranges
+    if "flashinfer" in fns:  # its state orientation, as bench_fwd settles it: whichever agrees with ours
+        flipped = fns["flashinfer"](x, transposed=True)
+        if rel_l2(flipped[0], outs["qla"][0]) < rel_l2(outs["flashinfer"][0], outs["qla"][0]):
+            outs["flashinfer"], fns["flashinfer"] = flipped, functools.partial(fns["flashinfer"], transposed=True)
+    torch.cuda.synchronize()
+    for name in outs:
+        if name != "qla":
+            print(f"{name} o vs qla: {rel_l2(outs[name][0], outs['qla'][0]):.2e}", file=sys.stderr)
+    for name, fn in fns.items():
+        torch.cuda.nvtx.range_push(name)
+        fn(x)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+
+
+if __name__ == "__main__":
+    main()
