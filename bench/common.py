@@ -1,6 +1,7 @@
 """Inputs and CUDA-graph timing shared by the device benchmarks."""
 
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,36 @@ def time_graph(fn, reps=20, rounds=5):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / reps)
     return statistics.median(times)
+
+
+def host_median_us(step, calls, rounds=5):
+    """Median us of host time per call of ``step``: ``calls`` back to back per round, after ``calls // 10`` warm-up
+    calls."""
+    for _ in range(calls // 10):
+        step()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def write_host_rows(out, name, rows, **meta):
+    """Write ``rows`` of a host-time measurement to ``out/latest-{name}.json`` with the machine's facts (and
+    ``meta``); print those."""
+    import datetime
+    import json
+    import os
+    import platform
+
+    meta = dict(date=datetime.date.today().isoformat(), cpu=platform.processor() or platform.machine(),
+                python=platform.python_version(), torch=torch.__version__, **meta, threads=torch.get_num_threads())
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"latest-{name}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(meta)
 
 
 def rel_l2(x, ref):

@@ -9,31 +9,16 @@ allocates the leaf's outputs; the rest of FLA runs as it is, our FLA backend reg
     python bench/fla_route_host.py [--out bench/results] [--calls 2000] [--fla-path .sidepkgs/fla]
 """
 import argparse
-import datetime
 import json
 import os
-import platform
-import statistics
 import sys
-import time
 from unittest import mock
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-
-
-def _median_us(step, calls, rounds=5):
-    for _ in range(calls // 10):
-        step()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+from bench.common import host_median_us, write_host_rows  # noqa: E402
 
 
 def main():
@@ -68,17 +53,11 @@ def main():
         for path in ("public op", "forward leaf"):
             with mock.patch.object(dispatch, "_on_fla_leaves", (lambda opts: False) if path == "public op"
                                    else dispatch._on_fla_leaves):
-                us = _median_us(lambda: dispatch.forward_keeping(*args_, for_backward=False), args.calls)
+                us = host_median_us(lambda: dispatch.forward_keeping(*args_, for_backward=False), args.calls)
             rows.append(dict(path=path, op="fwd", us=round(us, 1)))
             print(json.dumps(rows[-1]), flush=True)
         dispatch.fla_leaves.cache_clear()
-    meta = dict(date=datetime.date.today().isoformat(), cpu=platform.processor() or platform.machine(),
-                python=platform.python_version(), torch=torch.__version__, fla=getattr(fla, "__version__", "?"),
-                threads=torch.get_num_threads())
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "latest-fla-route-host.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(meta)
+    write_host_rows(args.out, "fla-route-host", rows, fla=getattr(fla, "__version__", "?"))
 
 
 if __name__ == "__main__":

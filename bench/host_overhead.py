@@ -10,13 +10,9 @@ dispatch; the stubs return uninitialised outputs of the kernels' shapes): the pu
 """
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import platform
-import statistics
 import sys
-import time
 import types
 from unittest import mock
 
@@ -25,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import qla_compile  # noqa: E402
+from bench.common import host_median_us, write_host_rows  # noqa: E402
 from gdn_inputs import make_inputs  # noqa: E402
 from qla_compile import dispatch, ops  # noqa: E402
 from qla_compile.kernels import backward as hopper_backward  # noqa: E402
@@ -52,18 +49,6 @@ def _stub_kernels():
     hopper_backward.chunk_gdr_bwd_hopper = backward
 
 
-def _median_us(step, calls, rounds=5):
-    for _ in range(calls // 10):
-        step()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
@@ -87,15 +72,10 @@ def main():
             if path == "custom op":  # what eager calls ran before ops.EagerChunkGDR
                 stack.enter_context(mock.patch.object(ops.EagerChunkGDR, "apply", ops.chunk_gdr_fwd))
             for op in ("fwd", "fwd+bwd"):
-                us = _median_us(lambda: step(op == "fwd+bwd"), args.calls)
+                us = host_median_us(lambda: step(op == "fwd+bwd"), args.calls)
                 rows.append(dict(path=path, op=op, us=round(us, 1)))
                 print(json.dumps(rows[-1]), flush=True)
-    meta = dict(date=datetime.date.today().isoformat(), cpu=platform.processor() or platform.machine(),
-                python=platform.python_version(), torch=torch.__version__, threads=torch.get_num_threads())
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "latest-host-overhead.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(meta)
+    write_host_rows(args.out, "host-overhead", rows)
 
 
 if __name__ == "__main__":
