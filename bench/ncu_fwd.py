@@ -33,6 +33,7 @@ METRICS = {  # ncu metric -> column
     "smsp__average_warp_latency_issue_stalled_barrier.ratio": "stall barrier",
     "smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio": "stall long sb",
 }
+_PER_US = {"ns": 1e3, "nsecond": 1e3, "us": 1.0, "usecond": 1.0, "ms": 1e-3, "msecond": 1e-3}
 
 
 def table(path):
@@ -42,8 +43,12 @@ def table(path):
     kernels = {}
     for row in csv.DictReader(lines):
         rng = next((v for k, v in row.items() if k and ("Push/Pop" in k or "NVTX" in k)), "")  # --nvtx's column
+        rng = next((name for name in ("flashinfer", "qla") if f":{name}:" in rng), rng)
         key = (row["ID"], rng, row["Kernel Name"][:48])
-        kernels.setdefault(key, {})[METRICS.get(row["Metric Name"], row["Metric Name"])] = row["Metric Value"]
+        value = row["Metric Value"]
+        if row["Metric Name"] == "gpu__time_duration.sum":  # ncu picks the unit; the column is us
+            value = f"{float(value.replace(',', '')) / _PER_US[row['Metric Unit']]:.1f}"
+        kernels.setdefault(key, {})[METRICS.get(row["Metric Name"], row["Metric Name"])] = value
     cols = list(METRICS.values())
     print("| id | range | kernel | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 3) + "|")
