@@ -10,7 +10,7 @@ every batch layout and length.  Chunks are numbered globally: sequence n owns ch
 ``chunk_offsets[n] .. chunk_offsets[n+1]-1`` (``chunk_offsets`` = exclusive cumsum of ceil(len/64)).
 
 * :func:`kkt_inverse` -- one CTA per (chunk, qk-head, up to 4 of its v-heads): K K^T once on tensor
-  cores, then per v-head the 32x32 diagonal blocks of (I + L~)^-1 and X = B^-1 C by fp32 forward
+  cores, then per v-head the 32x32 diagonal blocks of (I + L~)^-1 and X = B^-1 C by fp32 right-looking
   substitution and the off-diagonal block -X A^-1 by one wgmma; T~ stored per chunk as
   ``[chunk, H_v, 64, 64]``. Rows past a sequence's end have beta = 0, so their rows of T~ are unit rows.
 
@@ -57,30 +57,41 @@ def split_kkt(p_f, ld_s, c_s):
 
 
 @T.macro
+def _load_row(ld_s, lrow, blk, j):
+    """Row j of diagonal block ``blk`` of K K^T, columns past j (float4 broadcasts), into ``lrow``. K K^T is
+    symmetric, so this is also column j: what the right-looking substitution step j subtracts."""
+    H, LS = _HALF, _LD_STRIDE
+    for v in T.unroll(H // 4):
+        if v * 4 + 3 > j:
+            for q in T.vectorized(4):
+                lrow[v * 4 + q] = ld_s[blk, j * LS + v * 4 + q]
+
+
+@T.macro
 def solve_diagonal(ld_s, bt_s, b_s, x, y, lrow, hh, e, blk, c):
-    """One lane's share of the diagonal blocks A^-1 (blk 0) or B^-1 (blk 1) of head ``hh``: column c (32-row
-    chain, into ``x``) and column c + 16 (its 16 rows below the diagonal, into ``y``), by fp32 forward
-    substitution x_r = delta_rc + beta_r (rhs_r - sum_{j<r} KK_rj x_j), row r of the block read as float4
-    broadcasts; stored, rounded to fp16, to rows 32 e .. 32 e + 31 of ``b_s`` ([[A_h^-1, B_h^-1], ...]).
+    """One lane's share of the diagonal blocks A^-1 (blk 0) or B^-1 (blk 1) of head ``hh``: column c (32 rows,
+    into ``x``) and column c + 16 (its 16 rows below the diagonal, into ``y``) of the solution of
+    x_r = delta_rc - beta_r sum_{j<r} KK_rj x_j, by fp32 right-looking substitution: once x_j is final, every
+    later row's sum takes its term, so the dependent chain is two FMAs per row (a row-by-row dot product would
+    chain all 496); stored, rounded to fp16, to rows 32 e .. 32 e + 31 of ``b_s`` ([[A_h^-1, B_h^-1], ...]).
     ``ld_s``: the two unscaled diagonal 32x32 blocks of K K^T; ``bt_s[hh]``: beta (0 for a head not there)."""
-    H, Q, LS = _HALF, _HALF // 2, _LD_STRIDE
+    H, Q = _HALF, _HALF // 2
     half = "float16"
     for r in T.unroll(H):
-        for v in T.unroll(H // 4):
-            if v * 4 < r:
-                for q in T.vectorized(4):
-                    lrow[v * 4 + q] = ld_s[blk, r * LS + v * 4 + q]
         x[r] = T.float32(0)
-        for j in T.unroll(H):
-            if j < r:
-                x[r] -= lrow[j] * x[j]
-        x[r] = T.if_then_else(r == c, T.float32(1), T.float32(0)) + bt_s[hh, blk * H + r] * x[r]
-        if r >= Q:
-            y[r - Q] = T.float32(0)
-            for j in T.unroll(Q, H):
-                if j < r:
-                    y[r - Q] -= lrow[j] * y[j - Q]
-            y[r - Q] = T.if_then_else(r == c + Q, T.float32(1), T.float32(0)) + bt_s[hh, blk * H + r] * y[r - Q]
+    for r in T.unroll(Q):
+        y[r] = T.float32(0)
+    for j in T.unroll(H):
+        beta_j = bt_s[hh, blk * H + j]
+        x[j] = T.if_then_else(j == c, T.float32(1), T.float32(0)) - beta_j * x[j]
+        if j >= Q:
+            y[j - Q] = T.if_then_else(j == c + Q, T.float32(1), T.float32(0)) - beta_j * y[j - Q]
+        _load_row(ld_s, lrow, blk, j)
+        for r in T.unroll(H):
+            if r > j:
+                x[r] += lrow[r] * x[j]
+                if j >= Q:
+                    y[r - Q] += lrow[r] * y[j - Q]
     for r in T.unroll(H):
         b_s[e * H + r, blk * H + c] = T.cast(x[r], half)
     for r in T.unroll(Q):
@@ -91,19 +102,18 @@ def solve_diagonal(ld_s, bt_s, b_s, x, y, lrow, hh, e, blk, c):
 
 @T.macro
 def solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, lrow, hh, e, lane):
-    """One lane's column ``lane`` of X = B^-1 C of head ``hh`` (32-row fp32 chain), stored to the diagonal block
-    e of ``a_s`` ([[X_h0, 0], [0, X_h1]]). ``c_s``: K K^T [32:, :32] (unscaled)."""
-    H, LS = _HALF, _LD_STRIDE
+    """One lane's column ``lane`` of X = B^-1 C of head ``hh``, x_r = beta_r (C_r - sum_{j<r} KK_rj x_j) over the
+    32 rows of block B (fp32, right-looking as in :func:`solve_diagonal`), stored to the diagonal block e of
+    ``a_s`` ([[X_h0, 0], [0, X_h1]]). ``c_s``: K K^T [32:, :32] (unscaled)."""
+    H = _HALF
     for r in T.unroll(H):
-        for v in T.unroll(H // 4):
-            if v * 4 < r:
-                for q in T.vectorized(4):
-                    lrow[v * 4 + q] = ld_s[1, r * LS + v * 4 + q]
         x[r] = c_s[r, lane]
-        for j in T.unroll(H):
-            if j < r:
-                x[r] -= lrow[j] * x[j]
-        x[r] = bt_s[hh, H + r] * x[r]
+    for j in T.unroll(H):
+        x[j] = bt_s[hh, H + j] * x[j]
+        _load_row(ld_s, lrow, 1, j)
+        for r in T.unroll(H):
+            if r > j:
+                x[r] -= lrow[r] * x[j]
     for r in T.unroll(H):
         a_s[e * H + r, e * H + lane] = T.cast(x[r], "float16")
 
@@ -122,7 +132,7 @@ def kkt_inverse(*, dk: int, dtype: str):
 
         T~ = [[A^-1, 0], [-X A^-1, B^-1]],   X = B^-1 C.
 
-    The v-heads go in pairs (h0, h0 + 1); per pair, fp32 forward substitution on CUDA cores:
+    The v-heads go in pairs (h0, h0 + 1); per pair, fp32 right-looking substitution on CUDA cores:
     warp e (e = 0, 1) solves A^-1 and B^-1 of head h0 + e (lane l: block l // 16, a 32-row chain for
     column l % 16 and, on the same row loads, a 16-row chain for column l % 16 + 16); warp 2 + e solves
     X of head h0 + e (lane l: column l, 32-row chain). The diagonal blocks of T~ are thus rounded to fp16
@@ -207,8 +217,7 @@ def kkt_inverse(*, dk: int, dtype: str):
                     h0 = pair * 2
                     # the previous pair's wgmma has finished reading a_s and b_s in every warp
                     T.sync_threads()
-                    # Forward substitution, fp32: x_r = delta_rc + beta_r (rhs_r - sum_{j<r} KK_rj x_j); row r of
-                    # the diagonal block is read as float4 broadcasts. Heads h >= cnt have beta = 0 (not stored).
+                    # Substitution, fp32 (solve_diagonal, solve_off_diagonal); heads h >= cnt have beta = 0 (not stored).
                     if tx < 64:
                         e = tx // 32
                         hh = h0 + e

@@ -20,6 +20,15 @@ def _kernels():
     return kernels
 
 
+# the chunk recurrence: "split" (split_state_recurrence, all of V per CTA; what many heads or sequences get) or
+# "ws" (chunk_recurrence.chunk_fwd_ws over half of V per CTA; what few get), forced through the rule's threshold
+STATE_KERNELS = ["split", "ws"]
+
+
+def _force(monkeypatch, kernels, state_kernel):
+    monkeypatch.setattr(kernels, "_FULL_DV_MIN_CTAS", 1 if state_kernel == "split" else 1 << 30)
+
+
 def _case(B, T, H, HV, dtype, cu_seqlens=None, h0=True, l2norm=False, seed=0):
     kw = make_inputs(B, T, H, HV, 128, 128, cu_seqlens=cu_seqlens, initial_state=h0, l2norm=l2norm,
                      dtype=dtype, device="cuda", seed=seed)
@@ -35,12 +44,15 @@ CASES = {
     "varlen-1tok-empty-h0": (1, 452, 2, 4, torch.bfloat16, [0, 1, 2, 130, 130, 194, 451, 452], True, False),
     "varlen-gva2-fp16-h0": (1, 777, 2, 4, torch.float16, [0, 63, 64, 65, 777], True, False),
     "l2norm-in-kernel": (1, 200, 2, 2, torch.bfloat16, None, True, True),
+    "many-heads-varlen-h0": (1, 900, 4, 32, torch.bfloat16, [0, 64, 300, 301, 900], True, False),
 }
 
 
+@pytest.mark.parametrize("state_kernel", STATE_KERNELS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_fp64_oracle(name):
+def test_matches_fp64_oracle(name, state_kernel, monkeypatch):
     kernels = _kernels()
+    _force(monkeypatch, kernels, state_kernel)
     B, T, H, HV, dtype, cu, h0, l2 = CASES[name]
     kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=len(name))
     o, ht = kernels.chunk_gdr_fwd_hopper(*args)
@@ -63,10 +75,12 @@ CP_CASES = {
 }
 
 
+@pytest.mark.parametrize("state_kernel", STATE_KERNELS)
 @pytest.mark.parametrize("name", list(CP_CASES))
-def test_context_parallel_matches_fp64_oracle(name):
+def test_context_parallel_matches_fp64_oracle(name, state_kernel, monkeypatch):
     """Pieces of a sequence run in parallel from warm-up or exact transition states (``context_parallel``)."""
     kernels = _kernels()
+    _force(monkeypatch, kernels, state_kernel)
     B, T, H, HV, dtype, cu, h0, l2, cp = CP_CASES[name]
     kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=len(name))
     lens = [T] * B if cu is None else [b - a for a, b in zip(cu, cu[1:])]
@@ -122,9 +136,11 @@ def test_context_parallel_under_capture():
     assert all(torch.equal(a, b) for a, b in zip(unseen, unsplit))
 
 
-def test_every_output_element_written(monkeypatch):
+@pytest.mark.parametrize("state_kernel", STATE_KERNELS)
+def test_every_output_element_written(state_kernel, monkeypatch):
     """Outputs allocated inside the call are poisoned with NaN; none may survive."""
     kernels = _kernels()
+    _force(monkeypatch, kernels, state_kernel)
     _, args = _case(1, 452, 2, 4, torch.bfloat16, [0, 1, 2, 130, 130, 194, 451, 452], True)
     empty = torch.empty
 
