@@ -52,8 +52,6 @@ SEQS_WIDE = ["512x64", "4096x8"]
 HEAD_SETS = {"default": HEADS, "wide": HEADS_WIDE, "all": HEADS + HEADS_WIDE}
 SEQ_SETS = {"default": SEQS, "wide": SEQS_WIDE, "all": SEQS + SEQS_WIDE}
 PEERS = ["fla", "flashqla", "flashinfer", "flashinfer-0.7"]  # table order; qla always runs
-# our own earlier paths, run only when named in --peers: "qla-ws" is the forward without the split-state recurrence
-VARIANTS = ["qla-ws"]
 FI07 = "flashinfer-0.7"
 ORACLE_TOKENS = 1024
 
@@ -65,17 +63,6 @@ def peers(selected):
     from qla_compile.kernels import chunk_gdr_fwd_hopper
 
     fns["qla"] = lambda x: chunk_gdr_fwd_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["h0"], x["cu"])
-    if "qla-ws" in selected:
-        from qla_compile.kernels import forward
-
-        def qla_ws(x):
-            forward._SPLIT_STATE = False  # read at the launch, so a captured graph keeps chunk_fwd_ws
-            try:
-                return fns["qla"](x)
-            finally:
-                forward._SPLIT_STATE = True
-
-        fns["qla-ws"] = qla_ws
     if "fla" in selected:
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla
@@ -348,7 +335,7 @@ def parse_args(argv=None):
                     help="sequence mixes and sets: default = " + ",".join(SEQS) + "; wide = " + ",".join(SEQS_WIDE)
                     + "; all = both")
     ap.add_argument("--peers", default="all",
-                    help="peers to run beside qla: all, or a comma list of " + ",".join(PEERS + VARIANTS)
+                    help="peers to run beside qla: all, or a comma list of " + ",".join(PEERS)
                     + f" (missing ones are skipped; an explicit {FI07} without its bundle is an error)")
     ap.add_argument("--fi07-path", default=os.environ.get("QLA_FI07_PATH", "/tmp/fi07"),
                     help=f"unpacked bench/flashinfer07_bundle.sh parts; {FI07} runs when it exists")
@@ -360,9 +347,9 @@ def parse_args(argv=None):
     args.seqs = expand(args.seqs, SEQ_SETS, lambda s: (parse_seqs(s), s)[1])
     args.explicit_peers = args.peers != "all"
     args.peers = PEERS if args.peers == "all" else expand(args.peers, {}, str)
-    unknown = sorted(set(args.peers) - set(PEERS + VARIANTS) - {"qla"})
+    unknown = sorted(set(args.peers) - set(PEERS) - {"qla"})
     if unknown:
-        ap.error(f"unknown peers {unknown}; known: {PEERS + VARIANTS}")
+        ap.error(f"unknown peers {unknown}; known: {PEERS}")
     return args
 
 
@@ -432,7 +419,7 @@ def main(argv=None):
             if "flashinfer" in outs:
                 outs["flashinfer"], _ = orient_flashinfer(fns["flashinfer"], x, outs["flashinfer"], o)
             check = {"hk": hk, "hv": hv, "seqs": spec, "qla_vs_fp64_o_prefix": oracle_prefix(x, o)}
-            for name in PEERS + VARIANTS:
+            for name in PEERS:
                 if name in outs:
                     check[f"{name}_o_vs_qla"] = rel_l2(outs[name][0], o)
                     check[f"{name}_ht_vs_qla"] = rel_l2(outs[name][1], ht)
@@ -478,7 +465,7 @@ def save(out, rows, meta):
     return md
 
 
-LABELS = {"qla": "qla", "qla-ws": "qla (ws)", "fla": "FLA", "flashqla": "FlashQLA", "flashinfer": "FlashInfer", FI07: "FlashInfer 0.7"}
+LABELS = {"qla": "qla", "fla": "FLA", "flashqla": "FlashQLA", "flashinfer": "FlashInfer", FI07: "FlashInfer 0.7"}
 
 
 def render(rows, meta):
@@ -489,7 +476,7 @@ def render(rows, meta):
         by.setdefault((r["hk"], r["hv"], r["seqs"]), {})[r["impl"]] = r["ms"]
     checks = {(c["hk"], c["hv"], c["seqs"]): c for c in meta["checks"]}
     present = {impl for t in by.values() for impl in t}
-    peer_cols = [p for p in PEERS + VARIANTS if p in present]
+    peer_cols = [p for p in PEERS if p in present]
     lines = [
         "# Forward benchmark (CUDA-graph medians, ms)", "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), "",

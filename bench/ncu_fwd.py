@@ -60,6 +60,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", default="32/32", help="H_qk/H_v")
     ap.add_argument("--seqs", default="4096x8", help="sequence mix (bench_fwd's notation)")
+    ap.add_argument("--peers", default="flashinfer", help="beside qla: a comma list of bench_fwd's peers")
     ap.add_argument("--metrics", action="store_true", help="print the ncu metric list and exit")
     ap.add_argument("--table", metavar="CSV", help="print the kernels of an ncu --csv output and exit")
     args = ap.parse_args()
@@ -69,7 +70,7 @@ def main():
         return table(args.table)
     hk, hv = (int(s) for s in args.heads.split("/"))
     x = make_inputs(hk, hv, parse_seqs(args.seqs))
-    fns = peers(["flashinfer"])
+    fns = peers(args.peers.split(","))
     outs = {name: fn(x) for name, fn in fns.items()}  # warm-up (and FlashInfer's scratch) outside the ranges
     if "flashinfer" in fns:
         outs["flashinfer"], fns["flashinfer"] = orient_flashinfer(fns["flashinfer"], x, outs["flashinfer"],

@@ -9,9 +9,7 @@ Entry points, called by ``qla_compile.dispatch`` on SM90 CUDA tensors (and expor
   backward pass.
 
 The forward is two kernels: ``kkt_inverse`` (gate cumsum and the gate-free inverse T~, all
-chunks in parallel) and the chunk recurrence: ``split_state_recurrence.chunk_fwd_split`` (the state in registers,
-split over two warpgroups) where every (sequence, v-head) pair fills a CTA of its own, else
-``chunk_recurrence.chunk_fwd_ws`` with the V dimension split over two CTAs (:func:`_state_kernel`). When few
+chunks in parallel) and ``chunk_recurrence.chunk_fwd_ws`` (the warp-specialised chunk recurrence). When few
 long sequences would leave SMs idle, ``context_parallel`` cuts them into pieces that run in parallel
 (gate-driven context parallelism: a warm-up or exact transition per piece, then a scan of the
 pieces' initial states). The recurrent kernels start the longest sequences (or pieces) first, so that
@@ -48,7 +46,6 @@ chunk_recurrence = Kernels("chunk_recurrence")
 context_parallel = Kernels("context_parallel")
 kkt_inverse = Kernels("kkt_inverse")
 seq_tables = Kernels("seq_tables")
-split_state_recurrence = Kernels("split_state_recurrence")
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _HEAD_DIMS = (128,)
@@ -316,17 +313,6 @@ def _block_dv(n_ctas, dv):
     return dv if n_ctas >= _FULL_DV_MIN_CTAS else dv // 2
 
 
-_SPLIT_STATE = True  # False: chunk_fwd_ws for all of V too (bench/bench_fwd.py's "qla-ws" path)
-
-
-def _state_kernel(dk, dv, dtype, has_h0, block_dv):
-    """The forward's chunk recurrence over DV tiles of ``block_dv``: ``split_state_recurrence.chunk_fwd_split`` for
-    all of V, else ``chunk_recurrence.chunk_fwd_ws`` (the same call and outputs)."""
-    if _SPLIT_STATE and block_dv == dv:
-        return split_state_recurrence.chunk_fwd_split(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0)
-    return chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=block_dv)
-
-
 def _cp_cache_views(cache, n_p, h_v, dk, dv):
     """``(h0p, m, skip)`` of a context-parallel cache (the leading elements of one flat fp32 tensor): the
     pieces' initial states fp32 ``[P, H_v, K, V]``, their transitions fp32 ``[P, H_v, K, K]`` and skip table
@@ -394,7 +380,7 @@ def _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, pieces, fo
                                                  for_backward, cache)
     o = torch.empty_like(v3)
     ht = torch.empty(pieces.seq_pieces.numel() - 1, *h0p.shape[1:], device=h0p.device, dtype=h0p.dtype)
-    _state_kernel(k3.shape[2], v3.shape[2], dtype, True, bv)(
+    chunk_recurrence.chunk_fwd_ws(dk=k3.shape[2], dv=v3.shape[2], dtype=dtype, has_h0=True, block_dv=bv)(
         q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, pieces.ht_row, h0p, float(scale), o, ht)
     return o, ht, cache
 
@@ -453,7 +439,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
-    kernel = _state_kernel(dk, dv, dtype, has_h0, _block_dv(n_seq * h_v, dv))
+    kernel = chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=_block_dv(n_seq * h_v, dv))
     kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], h0, float(scale), o, ht)  # cu[:1] = [0]: walk n to row n
     return o.view(B, T, h_v, dv), ht, tt, gb, offsets, cache
 

@@ -20,13 +20,13 @@ def _kernels():
     return kernels
 
 
-# the chunk recurrence: "split" (split_state_recurrence, all of V per CTA; what many heads or sequences get) or
-# "ws" (chunk_recurrence.chunk_fwd_ws over half of V per CTA; what few get), forced through the rule's threshold
-STATE_KERNELS = ["split", "ws"]
+# the state kernels' DV tile, forced through the rule's threshold: all of V per CTA (what many heads or sequences
+# get) or half of it (what few get)
+BLOCK_DV = ["full", "half"]
 
 
-def _force(monkeypatch, kernels, state_kernel):
-    monkeypatch.setattr(kernels, "_FULL_DV_MIN_CTAS", 1 if state_kernel == "split" else 1 << 30)
+def _force(monkeypatch, kernels, block_dv):
+    monkeypatch.setattr(kernels, "_FULL_DV_MIN_CTAS", 1 if block_dv == "full" else 1 << 30)
 
 
 def _case(B, T, H, HV, dtype, cu_seqlens=None, h0=True, l2norm=False, seed=0):
@@ -48,11 +48,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("state_kernel", STATE_KERNELS)
+@pytest.mark.parametrize("block_dv", BLOCK_DV)
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_fp64_oracle(name, state_kernel, monkeypatch):
+def test_matches_fp64_oracle(name, block_dv, monkeypatch):
     kernels = _kernels()
-    _force(monkeypatch, kernels, state_kernel)
+    _force(monkeypatch, kernels, block_dv)
     B, T, H, HV, dtype, cu, h0, l2 = CASES[name]
     kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=len(name))
     o, ht = kernels.chunk_gdr_fwd_hopper(*args)
@@ -75,12 +75,12 @@ CP_CASES = {
 }
 
 
-@pytest.mark.parametrize("state_kernel", STATE_KERNELS)
+@pytest.mark.parametrize("block_dv", BLOCK_DV)
 @pytest.mark.parametrize("name", list(CP_CASES))
-def test_context_parallel_matches_fp64_oracle(name, state_kernel, monkeypatch):
+def test_context_parallel_matches_fp64_oracle(name, block_dv, monkeypatch):
     """Pieces of a sequence run in parallel from warm-up or exact transition states (``context_parallel``)."""
     kernels = _kernels()
-    _force(monkeypatch, kernels, state_kernel)
+    _force(monkeypatch, kernels, block_dv)
     B, T, H, HV, dtype, cu, h0, l2, cp = CP_CASES[name]
     kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=len(name))
     lens = [T] * B if cu is None else [b - a for a, b in zip(cu, cu[1:])]
@@ -136,11 +136,11 @@ def test_context_parallel_under_capture():
     assert all(torch.equal(a, b) for a, b in zip(unseen, unsplit))
 
 
-@pytest.mark.parametrize("state_kernel", STATE_KERNELS)
-def test_every_output_element_written(state_kernel, monkeypatch):
+@pytest.mark.parametrize("block_dv", BLOCK_DV)
+def test_every_output_element_written(block_dv, monkeypatch):
     """Outputs allocated inside the call are poisoned with NaN; none may survive."""
     kernels = _kernels()
-    _force(monkeypatch, kernels, state_kernel)
+    _force(monkeypatch, kernels, block_dv)
     _, args = _case(1, 452, 2, 4, torch.bfloat16, [0, 1, 2, 130, 130, 194, 451, 452], True)
     empty = torch.empty
 
