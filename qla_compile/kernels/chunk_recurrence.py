@@ -29,6 +29,7 @@ fp32 accumulators and gate tables.
 """
 
 import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
 
 from ._build import compiled
 from .chunking import CHUNK
@@ -109,6 +110,9 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             q_s = T.alloc_shared((2, C, dk), dtype) if has_out else None
             k_s = T.alloc_shared((2, C, dk), dtype)
             v_s = T.alloc_shared((2, C, BV), dtype)
+            # swizzled (TMA writes it so): WG1's reads in the wgmma fragment's pattern, 8 rows x 4 words per warp,
+            # hit one bank per row in the plain layout
+            T.annotate_layout({v_s: make_swizzled_layout(v_s)})
             tt_s = T.alloc_shared((2, C, C), half)  # T~, overwritten by A_g
             gb_s = T.alloc_shared((2, 2, C), acc)  # [gamma; beta]
             # hand-offs between warpgroups
