@@ -285,7 +285,7 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
     do3 = do.reshape(n_tok, h_v, dv).to(v.dtype).contiguous()
-    cu, offsets, order = _tables(cu_seqlens, B, T_, dev)
+    cu, offsets, order, spans = _tables(cu_seqlens, B, T_, dev)
 
     cp_cache = aux[2] if aux is not None and len(aux) == 3 else None
     cp = _cp_plan(context_parallel, cu_seqlens, B, T_, h_v, dev, backward=True)
@@ -294,7 +294,7 @@ def chunk_gdr_bwd_hopper(do, dht, q, k, v, g, beta, scale: float, initial_state=
     if aux is None or (cp is not None and cached is None):
         # the gate inverse here: no aux, or a plan to make without the forward's contraction flags
         tt, gb, bad = _chunk_tables(n_tok, n_seq, h_v, dev)
-        _gate_inverse(k3, g, beta, cu, offsets, (tt, gb, bad), dtype)
+        _gate_inverse(k3, g, beta, spans, (tt, gb, bad), dtype)
     else:
         tt, gb, bad = aux[0], aux[1], None
     # the two recurrences walk the pieces when split (they stand for the sequences there), else the sequences

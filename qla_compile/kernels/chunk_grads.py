@@ -25,13 +25,28 @@ the L2-normalised q, k before the kernels alone gives 2.3e-3 RMS.)
 
 import tilelang.language as T
 
-from . import kkt_inverse
 from ._build import compiled
 from .chunk_recurrence import _PTX, _ex2, _exp
 from .chunking import CHUNK
 from .reverse_recurrence import _READY
 
 _LOG2E = 1.4426950408889634
+
+
+@T.macro
+def _owning_sequence(chunk_offsets, n_seq, chunk):
+    """The sequence owning chunk slot ``chunk`` (< ``chunk_offsets[n_seq]``): the largest s with
+    ``chunk_offsets[s] <= chunk``, by bisection."""
+    lo = T.alloc_var("int32", init=0)
+    hi = T.alloc_var("int32", init=n_seq - 1)
+    for _ in T.serial(31):
+        if lo < hi:
+            mid = (lo + hi + 1) // 2
+            if chunk_offsets[mid] <= chunk:
+                lo = mid
+            else:
+                hi = mid - 1
+    return lo
 
 
 def _gamma(gb_s, a, b):
@@ -252,7 +267,7 @@ def chunk_grads(*, dk: int, dv: int, dtype: str, threads: int = 256, pdl: bool =
             if rank >= n_order or entry[0] < 0:
                 chunk = T.if_then_else(rank < n_real, n_real - 1 - rank, rank)
                 if chunk < n_real:
-                    seq = kkt_inverse._owning_sequence(chunk_offsets, n_seq, chunk)
+                    seq = _owning_sequence(chunk_offsets, n_seq, chunk)
                     start = cu_seqlens[seq] + (chunk - chunk_offsets[seq]) * C
                     length = T.min(cu_seqlens[seq + 1] - start, C)
                 else:

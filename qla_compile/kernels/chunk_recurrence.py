@@ -44,6 +44,11 @@ __device__ __forceinline__ float qla_lg2(float x) { float y; asm("lg2.approx.ftz
 """
 
 
+# the SM's cycle counter, for the timeline variant (``trace``)
+_CLOCK = "__device__ __forceinline__ long long qla_clock() { return clock64(); }\n"
+TRACE_CTAS, TRACE_CHUNKS, TRACE_EVENTS = 4, 64, 8  # the timeline's shape per warpgroup
+
+
 def _ex2(x):
     return T.call_extern("float32", "qla_ex2", x)
 
@@ -68,7 +73,7 @@ def _gamma_times(gb_s, st, a, b, row_log2=0.0, col_log2=0.0):
 
 @compiled
 def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128, transition: bool = False,
-                 store_h: bool = False):
+                 store_h: bool = False, trace: bool = False):
     """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0,
     scale, o, ht)``, ``order`` the sequences in launch order (``forward._tables``: longest first, so that the
     longest walks start first). ``ht_rows`` int32: the row of ``ht`` each walk's final state goes to (-1: none;
@@ -86,8 +91,13 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     With ``store_h`` (the backward's state recompute) it computes no output but stores every chunk's
     start state in fp16: ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, h0, h)`` with
     ``h[chunk_offsets[n] + j, hv]`` the state before chunk j of sequence n (q is not read).
+
+    With ``trace`` (a diagnostic, ``bench/timeline_fwd.py``; not a shipped variant) the output call takes one more
+    argument, int64 ``tr[TRACE_CTAS, 4, TRACE_CHUNKS, TRACE_EVENTS]``: the first thread of each warpgroup of the CTAs
+    of v-heads 0..3 of the first walk (DV slice 0) writes the SM's clock at fixed points of each chunk (``mark``).
     """
     assert not (transition and store_h)
+    assert not (trace and (transition or store_h))
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
@@ -101,11 +111,24 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     n_slices = dv // BV + (dk // BV if transition else 0)
     has_out = not (transition or store_h)
 
+    if trace:
+
+        @T.macro
+        def mark(tr, hv, bv, rank, tx, wg, j, event):
+            """The SM's clock into the timeline: warpgroup ``wg``, chunk ``j``, event ``event`` (``trace``)."""
+            if (tx % 128 == 0) & (rank == 0) & (bv == 0) & (hv < TRACE_CTAS) & (j < TRACE_CHUNKS):
+                tr[hv, wg, j, event] = T.call_extern("int64", "qla_clock")
+
+    else:
+
+        def mark(*_):
+            """No timeline: nothing enters the kernel."""
+
     @T.macro
-    def body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, skip, scale, o, ht, mt, h):
+    def body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, skip, scale, o, ht, mt, h, tr):
         # the sequence is the slowest grid dimension: CTAs start in ``order``, every head of a sequence together
         with T.Kernel(h_v, n_slices, n_seq1 - 1, threads=512) as (hv, bv, rank):
-            T.import_source(_PTX)
+            T.import_source(_PTX + (_CLOCK if trace else ""))
             # two-stage input ring, filled by TMA
             q_s = T.alloc_shared((2, C, dk), dtype) if has_out else None
             k_s = T.alloc_shared((2, C, dk), dtype)
@@ -142,6 +165,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             coff = chunk_offsets[seq]
             n_iter = T.ceildiv(seqlen, C)
             tx = T.get_thread_binding()
+
             # chunks [i0, n_iter) are run; M slices (transition only) run when skip < 0
             i0 = 0
             is_m = False
@@ -165,16 +189,20 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     i = i0 + j
                     st = j % 2
                     length = T.min(seqlen - i * C, C)
+                    mark(tr, hv, bv, rank, tx, 0, j, 0)
                     T.barrier_wait(s_free, (j + 1) % 2)
+                    mark(tr, hv, bv, rank, tx, 0, j, 1)
                     T.copy(s_f, s_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(s_ready)
+                    mark(tr, hv, bv, rank, tx, 0, j, 2)
                     if store_h:
                         T.barrier_wait(h_free, (j + 1) % 2)
                         T.copy(s_f, hs_s)
                         T.fence_proxy_async()
                         T.barrier_arrive(h_ready)
                     T.barrier_wait(full[st], (j // 2) % 2)
+                    mark(tr, hv, bv, rank, tx, 0, j, 3)
                     for r in T.Parallel(C):
                         rk_s[r] = _exp(gb_s[st, 0, C - 1] - gb_s[st, 0, r]) * T.cast(r < length, acc)
                     for r, d in T.Parallel(C, dk):
@@ -183,8 +211,11 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     decay = _exp(gb_s[st, 0, C - 1])
                     for a, b in T.Parallel(dk, BV):
                         s_f[a, b] = s_f[a, b] * decay
+                    mark(tr, hv, bv, rank, tx, 0, j, 4)
                     T.barrier_wait(vp_ready, j % 2)
+                    mark(tr, hv, bv, rank, tx, 0, j, 5)
                     T.gemm(kh_s, vp_s, s_f, transpose_A=True)
+                    mark(tr, hv, bv, rank, tx, 0, j, 6)
                     T.barrier_arrive(empty[st])
                 if is_m:  # M's columns, only where it was formed
                     if n_run > 0:
@@ -203,7 +234,9 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                 e_f = T.alloc_fragment((C,), acc)
                 for j in T.serial(n_run):
                     st = j % 2
+                    mark(tr, hv, bv, rank, tx, 1, j, 0)
                     T.barrier_wait(full[st], (j // 2) % 2)
+                    mark(tr, hv, bv, rank, tx, 1, j, 1)
                     T.copy(tt_s[st, :, :], a_f)
                     for a, b in T.Parallel(C, C):
                         a_f[a, b] = a_f[a, b] * _gamma_times(gb_s, st, a, b, col_log2=_lg2(gb_s[st, 1, b]))
@@ -211,9 +244,12 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     T.fence_proxy_async()
                     for a in T.Parallel(C):
                         e_f[a] = _exp(gb_s[st, 0, a])
+                    mark(tr, hv, bv, rank, tx, 1, j, 2)
                     T.barrier_wait(s_ready, j % 2)
+                    mark(tr, hv, bv, rank, tx, 1, j, 3)
                     T.gemm(k_s[st, :, :], s_s, u_f, clear_accum=True)
                     T.barrier_arrive(s_free)
+                    mark(tr, hv, bv, rank, tx, 1, j, 4)
                     if is_m:  # V = 0 for the columns of M
                         for a, b in T.Parallel(C, BV):
                             u_f[a, b] = -e_f[a] * u_f[a, b]
@@ -222,12 +258,15 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                             u_f[a, b] = T.cast(v_s[st, a, b], acc) - e_f[a] * u_f[a, b]
                     T.copy(u_f, w_s)
                     T.fence_proxy_async()
+                    mark(tr, hv, bv, rank, tx, 1, j, 5)
                     T.gemm(tt_s[st, :, :], w_s, u_f, clear_accum=True)
+                    mark(tr, hv, bv, rank, tx, 1, j, 6)
                     # WG0 has read the previous V' (before publishing the S this chunk's K S used); WG2 says so
                     T.barrier_wait(vp_free, (j + 1) % 2)
                     T.copy(u_f, vp_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(vp_ready)
+                    mark(tr, hv, bv, rank, tx, 1, j, 7)
                     T.barrier_arrive(empty[st])
 
             elif tx < 384:  # WG2: the output
@@ -252,9 +291,12 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                         st = i % 2
                         start = bos + i * C
                         length = T.min(seqlen - i * C, C)
+                        mark(tr, hv, bv, rank, tx, 2, i, 0)
                         T.barrier_wait(full[st], (i // 2) % 2)
+                        mark(tr, hv, bv, rank, tx, 2, i, 1)
                         T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
                         T.barrier_wait(s_ready, i % 2)
+                        mark(tr, hv, bv, rank, tx, 2, i, 2)
                         T.wgmma_gemm(q_s[st, :, :], s_s, o_f, clear_accum=True)
                         T.wait_wgmma(1)
                         for a, b in T.Parallel(C, C):
@@ -263,13 +305,16 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                         T.fence_proxy_async()
                         T.wait_wgmma(0)
                         T.barrier_arrive(s_free)
+                        mark(tr, hv, bv, rank, tx, 2, i, 3)
                         for a in T.Parallel(C):
                             eo_f[a] = _exp(gb_s[st, 0, a]) * scale
                         for a, b in T.Parallel(C, BV):
                             o_f[a, b] = o_f[a, b] * eo_f[a]
                         T.barrier_wait(vp_ready, i % 2)
+                        mark(tr, hv, bv, rank, tx, 2, i, 4)
                         T.gemm(p_s, vp_s, o_f)
                         T.barrier_arrive(vp_free)
+                        mark(tr, hv, bv, rank, tx, 2, i, 5)
                         # O is staged over this chunk's Q (dead now) and stored by rows, 16 bytes per access
                         T.copy(o_f, q_s[st, :, 0:BV])
                         T.fence_proxy_async()
@@ -280,6 +325,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                                 if a < length:
                                     o[start + a, hv, v0 + b] = q_s[st, a, b]
                             T.fence_proxy_async()
+                        mark(tr, hv, bv, rank, tx, 2, i, 6)
                         T.barrier_arrive(empty[st])
 
             else:  # WG3: producer warps
@@ -289,7 +335,9 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     st = j % 2
                     start = bos + i * C
                     if tx < 416:
+                        mark(tr, hv, bv, rank, tx, 3, j, 0)
                         T.barrier_wait(empty[st], (j // 2 + 1) % 2)
+                        mark(tr, hv, bv, rank, tx, 3, j, 1)
                         if has_out:
                             T.tma_copy(q[start : start + C, hk, :], q_s[st, :, :], barrier=full[st])
                         T.tma_copy(k[start : start + C, hk, :], k_s[st, :, :], barrier=full[st])
@@ -321,7 +369,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             ht: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
             mt: T.Tensor((n_seq1 - 1, h_v, dk, dk), acc),
         ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, None, None, skip, None, None, ht, mt, None)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, None, None, skip, None, None, ht, mt, None, None)
 
     elif store_h:
 
@@ -338,7 +386,28 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             h0: T.Tensor((n_h0, h_v, dk, dv), acc),
             h: T.Tensor((n_chunk, h_v, dk, dv), half),
         ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, None, h0, None, None, None, None, None, h)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, None, h0, None, None, None, None, None, h, None)
+
+    elif trace:
+
+        @T.prim_func
+        def kernel(
+            q: T.Tensor((n_tok, h_qk, dk), dtype),
+            k: T.Tensor((n_tok, h_qk, dk), dtype),
+            v: T.Tensor((n_tok, h_v, dv), dtype),
+            tt: T.Tensor((n_chunk, h_v, C, C), half),
+            gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+            cu_seqlens: T.Tensor((n_seq1,), "int32"),
+            chunk_offsets: T.Tensor((n_seq1,), "int32"),
+            order: T.Tensor((n_seq1 - 1,), "int32"),
+            ht_rows: T.Tensor((n_rows,), "int32"),
+            h0: T.Tensor((n_h0, h_v, dk, dv), acc),
+            scale: T.float32,
+            o: T.Tensor((n_tok, h_v, dv), dtype),
+            ht: T.Tensor((n_ht, h_v, dk, dv), acc),
+            tr: T.Tensor((TRACE_CTAS, 4, TRACE_CHUNKS, TRACE_EVENTS), "int64"),
+        ):
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, None, scale, o, ht, None, None, tr)
 
     else:
 
@@ -358,7 +427,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             o: T.Tensor((n_tok, h_v, dv), dtype),
             ht: T.Tensor((n_ht, h_v, dk, dv), acc),
         ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, None, scale, o, ht, None, None)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, None, scale, o, ht, None, None, None)
 
     return kernel
 

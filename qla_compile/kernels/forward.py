@@ -90,35 +90,50 @@ def hopper_supported(q, k, v, *args, **kwargs) -> bool:
 
 
 def _tables(cu_seqlens, batch, seqlen, device):
-    """int32 cu_seqlens, chunk_offsets (exclusive cumsum of ceil(len / 64)) and the recurrent kernels' launch
-    order (longest sequence first, ``seq_tables``), built on the device."""
+    """int32 cu_seqlens, chunk_offsets (exclusive cumsum of ceil(len / 64)), the recurrent kernels' launch order
+    (longest sequence first) and the chunk slots' spans ``[_n_slots, 2]`` (first token, tokens; ``seq_tables``),
+    built on the device."""
     if cu_seqlens is None:
         return _dense_tables(batch, seqlen, device)
     cu_in = cu_seqlens.to(device)
     if cu_in.dtype not in (torch.int32, torch.int64):
         cu_in = cu_in.to(torch.int32)
-    tables = torch.empty(3 * cu_in.numel() - 1, device=device, dtype=torch.int32)
-    cu, offsets, order = tables.split([cu_in.numel(), cu_in.numel(), cu_in.numel() - 1])
-    seq_tables.seq_tables(cu_dtype=str(cu_in.dtype).removeprefix("torch."))(cu_in.contiguous(), cu, offsets, order)
-    return cu, offsets, order
+    n = cu_in.numel()
+    n_slots = _n_slots(batch * seqlen, n - 1)
+    tables = torch.empty(2 * n_slots + 3 * n - 1, device=device, dtype=torch.int32)
+    spans, cu, offsets, order = tables.split([2 * n_slots, n, n, n - 1])  # spans first: 8-byte aligned rows
+    spans = spans.view(n_slots, 2)
+    seq_tables.seq_tables(cu_dtype=str(cu_in.dtype).removeprefix("torch."))(cu_in.contiguous(), cu, offsets, spans,
+                                                                          order)
+    return cu, offsets, order, spans
 
 
 _DENSE_TABLES: dict = {}
 
 
 def _dense_tables(batch, seqlen, device):
-    """:func:`_tables` of ``batch`` sequences of ``seqlen`` tokens, built once per shape (three launches fewer per
+    """:func:`_tables` of ``batch`` sequences of ``seqlen`` tokens, built once per shape (four launches fewer per
     call; built by those launches, uncached, while a CUDA graph is captured)."""
     key = (str(device), batch, seqlen)
     if key not in _DENSE_TABLES:
         capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
-        steps = torch.arange(batch + 1, device=device if capturing else "cpu", dtype=torch.int32)
-        flat = torch.cat([steps * seqlen, steps * ((seqlen + CHUNK - 1) // CHUNK), steps[:-1]])
+        where = device if capturing else "cpu"
+        steps = torch.arange(batch + 1, device=where, dtype=torch.int32)
+        per_seq = max((seqlen + CHUNK - 1) // CHUNK, 1)
+        slot = torch.arange(_n_slots(batch * seqlen, batch), device=where, dtype=torch.int32)
+        seq, j = slot // per_seq, slot % per_seq
+        start = seq * seqlen + j * CHUNK
+        spans = torch.stack([start, (seqlen - j * CHUNK).clamp(max=CHUNK)], 1) * (seq < batch).unsqueeze(1)
+        # spans first: their rows are read as 8-byte vectors
+        flat = torch.cat([spans.flatten(), steps * seqlen, steps * ((seqlen + CHUNK - 1) // CHUNK), steps[:-1]])
+        sizes = [spans.numel(), batch + 1, batch + 1, batch]
         if capturing:
-            return flat.split([batch + 1, batch + 1, batch])
+            spans, *rows = flat.split(sizes)
+            return (*rows, spans.view(-1, 2))
         if len(_DENSE_TABLES) >= _CACHE_SIZE:
             _DENSE_TABLES.clear()
-        _DENSE_TABLES[key] = lasting_copy(flat, device).split([batch + 1, batch + 1, batch])
+        spans, *rows = lasting_copy(flat, device).split(sizes)
+        _DENSE_TABLES[key] = (*rows, spans.view(-1, 2))
     return _DENSE_TABLES[key]
 
 
@@ -299,13 +314,13 @@ def _chunk_tables(n_tok, n_seq, h_v, device):
     return tt, gb, bad
 
 
-def _gate_inverse(k3, g, beta, cu, offsets, tables, dtype):
-    """``kkt_inverse`` into ``tables`` (from :func:`_chunk_tables`) for the packed ``k3`` and the
-    activated gates ``g``, ``beta`` (``[B, T, H_v]``, any float dtype)."""
+def _gate_inverse(k3, g, beta, spans, tables, dtype):
+    """``kkt_inverse`` into ``tables`` (from :func:`_chunk_tables`) for the packed ``k3``, the activated gates ``g``,
+    ``beta`` (``[B, T, H_v]``, any float dtype) and the chunk slots' ``spans`` (:func:`_tables`)."""
     n_tok, h_v = k3.shape[0], tables[1].shape[1]
     g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
     b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
-    kkt_inverse.kkt_inverse(dk=k3.shape[2], dtype=dtype)(k3, g_tok, b_tok, cu, offsets, *tables)
+    kkt_inverse.kkt_inverse(dk=k3.shape[2], dtype=dtype)(k3, g_tok, b_tok, spans, *tables)
 
 
 def _block_dv(n_ctas, dv):
@@ -425,8 +440,8 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     q3 = q.reshape(n_tok, h_qk, dk).contiguous()
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
-    cu, offsets, order = _tables(cu_seqlens, B, T, q.device)
-    _gate_inverse(k3, g, beta, cu, offsets, (tt, gb, bad), dtype)
+    cu, offsets, order, spans = _tables(cu_seqlens, B, T, q.device)
+    _gate_inverse(k3, g, beta, spans, (tt, gb, bad), dtype)
 
     cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device, for_backward)
     if cp is not None:

@@ -7,7 +7,9 @@ T~ = (I + L~)^-1 (gate-free), A_g = Gamma o T~ o beta_col.
 Token-major tensors are flattened over the batch: a dense ``[B, T, ...]`` input is read as one
 packed sequence of ``B*T`` tokens with ``cu_seqlens = [0, T, 2T, ...]``; one compile therefore serves
 every batch layout and length.  Chunks are numbered globally: sequence n owns chunks
-``chunk_offsets[n] .. chunk_offsets[n+1]-1`` (``chunk_offsets`` = exclusive cumsum of ceil(len/64)).
+``chunk_offsets[n] .. chunk_offsets[n+1]-1`` (``chunk_offsets`` = exclusive cumsum of ceil(len/64)); the int32
+``spans[chunk] = (first token, length)`` of each chunk slot (length 0 for the unused tail slots) come from
+``seq_tables`` with the offsets.
 
 * :func:`kkt_inverse` -- one CTA per (chunk, qk-head, up to 4 of its v-heads): K K^T once on tensor
   cores, then per v-head the 32x32 diagonal blocks of (I + L~)^-1 and X = B^-1 C by fp32 right-looking
@@ -26,22 +28,6 @@ _HALF = 32  # kkt_inverse works on two 32x32 diagonal blocks
 _HEADS_PER_CTA = 4  # v-heads (of one qk-head) per CTA of kkt_inverse; even (they are processed in pairs)
 _LD_STRIDE = 40  # fp32 row stride of the smem copies of K K^T (conflict-free fragment stores)
 _LD_BLOCK = _HALF * _LD_STRIDE + 4  # offset of the second diagonal block: 4 banks away from the first
-
-
-@T.macro
-def _owning_sequence(chunk_offsets, n_seq, chunk):
-    """The sequence owning chunk slot ``chunk`` (< ``chunk_offsets[n_seq]``): the largest s with
-    ``chunk_offsets[s] <= chunk``, by bisection."""
-    lo = T.alloc_var("int32", init=0)
-    hi = T.alloc_var("int32", init=n_seq - 1)
-    for _ in T.serial(31):
-        if lo < hi:
-            mid = (lo + hi + 1) // 2
-            if chunk_offsets[mid] <= chunk:
-                lo = mid
-            else:
-                hi = mid - 1
-    return lo
 
 
 @T.macro
@@ -143,7 +129,6 @@ def kkt_inverse(*, dk: int, dtype: str):
     """
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
-    n_seq1 = T.dynamic("n_seq1")
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
     C, H, GB, LS, LB = CHUNK, _HALF, _HEADS_PER_CTA, _LD_STRIDE, _LD_BLOCK
@@ -157,8 +142,7 @@ def kkt_inverse(*, dk: int, dtype: str):
         k: T.Tensor((n_tok, h_qk, dk), dtype),
         g: T.Tensor((n_tok, h_v), acc),
         beta: T.Tensor((n_tok, h_v), acc),
-        cu_seqlens: T.Tensor((n_seq1,), "int32"),
-        chunk_offsets: T.Tensor((n_seq1,), "int32"),
+        spans: T.Tensor((n_chunk, 2), "int32"),
         tt: T.Tensor((n_chunk, h_v, C, C), half),
         gb: T.Tensor((n_chunk, h_v, 2, C), acc),
         bad: T.Tensor((n_chunk, h_v), "int32"),
@@ -176,28 +160,36 @@ def kkt_inverse(*, dk: int, dtype: str):
             x = T.alloc_local((H,), acc)
             y = T.alloc_local((Q,), acc)
             lrow = T.alloc_local((H,), acc)
+            span = T.alloc_local((2,), "int32")
             bad_s = T.alloc_shared((GB,), "int32")  # per v-head: some token's map is not a contraction
+            k_ready = T.alloc_barrier(128)
 
-            n_seq = n_seq1 - 1
             # per-CTA scalars computed once (the dynamic floor division is not re-evaluated per use)
             n_grp = T.alloc_var("int32", init=h_v // h_qk)
             hv0 = T.alloc_var("int32", init=hq * n_grp + hz * GB)  # first v-head of this CTA
             cnt = T.alloc_var("int32", init=T.min(n_grp - hz * GB, GB))  # v-heads of this CTA
             tx = T.get_thread_binding()
-            if chunk < chunk_offsets[n_seq]:
+            for e in T.vectorized(2):
+                span[e] = spans[chunk, e]
+            start = T.alloc_var("int32", init=span[0])
+            length = T.alloc_var("int32", init=span[1])
+            if length > 0:
+                # K by TMA (rows past the sequence end have beta = 0; past n_tok they are zero-filled)
+                T.tma_copy(k[start : start + C, hq, :], k_s, barrier=k_ready)
+                T.barrier_arrive(k_ready)
                 if tx < GB:
                     bad_s[tx] = 0
-                lo = _owning_sequence(chunk_offsets, n_seq, chunk)
-                start = cu_seqlens[lo] + (chunk - chunk_offsets[lo]) * C
-                length = T.min(cu_seqlens[lo + 1] - start, C)
-                T.copy(k[start : start + C, hq, :], k_s)
                 for h, i in T.Parallel(GB, C):
                     valid = (i < length) & (h < cnt)
                     bt_s[h, i] = T.if_then_else(valid, beta[start + i, hv0 + h], T.float32(0))
                     gt_s[h, i] = T.if_then_else(valid, g[start + i, hv0 + h], T.float32(0))
+                # b_s too: a pair's missing second head leaves its rows unsolved, and the X A^-1 wgmma multiplies
+                # them by the zeros of a_s, which must not meet a NaN
                 for i, j in T.Parallel(C, C):
+                    b_s[i, j] = T.cast(0, half)
                     if i // H != j // H:
                         a_s[i, j] = T.cast(0, half)
+                T.barrier_wait(k_ready, 0)
                 T.gemm(k_s, k_s, p_f, transpose_B=True, clear_accum=True)
                 split_kkt(p_f, ld_s, c_s)
                 if tx < C:  # row tx: |k|^2 from the diagonal of K K^T
@@ -217,21 +209,22 @@ def kkt_inverse(*, dk: int, dtype: str):
                     h0 = pair * 2
                     # the previous pair's wgmma has finished reading a_s and b_s in every warp
                     T.sync_threads()
-                    # Substitution, fp32 (solve_diagonal, solve_off_diagonal); heads h >= cnt have beta = 0 (not stored).
+                    # Substitution, fp32 (solve_diagonal, solve_off_diagonal), by the warps of heads that are there
+                    # (an odd count's last pair has one: the other head's rows of the product are not stored)
                     if tx < 64:
                         e = tx // 32
                         hh = h0 + e
                         blk = (tx % 32) // Q
                         c = tx % Q
-                        solve_diagonal(ld_s, bt_s, b_s, x, y, lrow, hh, e, blk, c)
                         if hh < cnt:
+                            solve_diagonal(ld_s, bt_s, b_s, x, y, lrow, hh, e, blk, c)
                             for r in T.unroll(H):
                                 tt[chunk, hv0 + hh, blk * H + r, blk * H + c] = T.cast(x[r], half)
                             for r in T.unroll(Q):
                                 tt[chunk, hv0 + hh, blk * H + r, blk * H + Q + c] = T.cast(0, half)
                             for r in T.unroll(Q, H):
                                 tt[chunk, hv0 + hh, blk * H + r, blk * H + Q + c] = T.cast(y[r - Q], half)
-                    else:
+                    elif h0 + tx // 32 - 2 < cnt:
                         e = tx // 32 - 2
                         solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, lrow, h0 + e, e, tx % 32)
                     # rows 32 e .. 32 e + 31, columns 0..31: X A^-1 of head h0 + e

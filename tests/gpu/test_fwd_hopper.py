@@ -196,10 +196,14 @@ def test_launch_order_longest_first(n_seq):
     lens[::3] = lens[1]  # ties
     lens[2] = 0
     cu_in = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).cuda()
-    cu, offsets, order = kernels._tables(cu_in, 1, int(cu_in[-1]), cu_in.device)
+    cu, offsets, order, spans = kernels._tables(cu_in, 1, int(cu_in[-1]), cu_in.device)
     chunks = [-(-n // 64) for n in lens.tolist()]
     assert cu.tolist() == cu_in.tolist()
     assert offsets.tolist() == [0] + torch.tensor(chunks).cumsum(0).tolist()
+    # every chunk slot's (first token, tokens), then (0, 0) up to the slot bound
+    expect = [(int(cu_in[n]) + 64 * j, min(64, int(lens[n]) - 64 * j)) for n in range(n_seq) for j in range(chunks[n])]
+    assert spans.shape == (int(cu_in[-1]) // 64 + n_seq, 2)
+    assert [tuple(x) for x in spans.tolist()] == expect + [(0, 0)] * (spans.shape[0] - len(expect))
     # longest first (ties in index order) up to 1024 sequences, the identity past that
     expect = sorted(range(n_seq), key=lambda i: (-chunks[i], i)) if n_seq <= 1024 else list(range(n_seq))
     assert order.tolist() == expect
@@ -232,8 +236,13 @@ def test_warmup_plan_matches_a_loop():
     tt2 = torch.empty(n_slots, h_v, 64, 64, device="cuda", dtype=torch.float16)
     gb2 = torch.empty(n_slots, h_v, 2, 64, device="cuda")
     bad = torch.full((n_slots, h_v), 7, **dev)  # unused slots hold garbage: never read
-    kernels._gate_inverse(k.cuda().bfloat16(), torch.zeros(n_tok, h_v, device="cuda"), beta.cuda(),
-                          torch.tensor(cu, **dev), torch.tensor(offs, **dev), (tt2, gb2, bad), "bfloat16")
+    spans = torch.zeros(n_slots, 2, **dev)
+    for p in range(5):
+        for c in range(offs[p], offs[p + 1]):
+            first = cu[p] + (c - offs[p]) * 64
+            spans[c] = torch.tensor([first, min(64, cu[p + 1] - first)])
+    kernels._gate_inverse(k.cuda().bfloat16(), torch.zeros(n_tok, h_v, device="cuda"), beta.cuda(), spans,
+                          (tt2, gb2, bad), "bfloat16")
     for p in range(5):
         for c in range(offs[p], offs[p + 1]):
             rows = slice(cu[p] + (c - offs[p]) * 64, min(cu[p] + (c - offs[p] + 1) * 64, cu[p + 1]))
