@@ -43,18 +43,16 @@ def split_kkt(p_f, ld_s, c_s):
 
 
 @T.macro
-def _load_row(ld_s, lrow, blk, j):
-    """Row j of diagonal block ``blk`` of K K^T, columns past j (float4 broadcasts), into ``lrow``. K K^T is
-    symmetric, so this is also column j: what the right-looking substitution step j subtracts."""
-    H, LS = _HALF, _LD_STRIDE
-    for v in T.unroll(H // 4):
-        if v * 4 + 3 > j:
-            for q in T.vectorized(4):
-                lrow[v * 4 + q] = ld_s[blk, j * LS + v * 4 + q]
+def _load_quad(ld_s, l4, blk, j, v):
+    """Entries 4 v .. 4 v + 3 of row j of diagonal block ``blk`` of K K^T (one float4 broadcast) into ``l4``. K K^T is
+    symmetric, so this is also column j: what the right-looking substitution step j subtracts. A quad at a time keeps
+    four registers for the row, not 32 (six CTAs fit an SM)."""
+    for q in T.vectorized(4):
+        l4[q] = ld_s[blk, j * _LD_STRIDE + v * 4 + q]
 
 
 @T.macro
-def solve_diagonal(ld_s, bt_s, b_s, x, y, lrow, hh, e, blk, c):
+def solve_diagonal(ld_s, bt_s, b_s, x, y, l4, hh, e, blk, c):
     """One lane's share of the diagonal blocks A^-1 (blk 0) or B^-1 (blk 1) of head ``hh``: column c (32 rows,
     into ``x``) and column c + 16 (its 16 rows below the diagonal, into ``y``) of the solution of
     x_r = delta_rc - beta_r sum_{j<r} KK_rj x_j, by fp32 right-looking substitution: once x_j is final, every
@@ -72,12 +70,14 @@ def solve_diagonal(ld_s, bt_s, b_s, x, y, lrow, hh, e, blk, c):
         x[j] = T.if_then_else(j == c, T.float32(1), T.float32(0)) - beta_j * x[j]
         if j >= Q:
             y[j - Q] = T.if_then_else(j == c + Q, T.float32(1), T.float32(0)) - beta_j * y[j - Q]
-        _load_row(ld_s, lrow, blk, j)
-        for r in T.unroll(H):
-            if r > j:
-                x[r] += lrow[r] * x[j]
-                if j >= Q:
-                    y[r - Q] += lrow[r] * y[j - Q]
+        for v in T.unroll(H // 4):
+            if v * 4 + 3 > j:
+                _load_quad(ld_s, l4, blk, j, v)
+                for q in T.unroll(4):
+                    if v * 4 + q > j:
+                        x[v * 4 + q] += l4[q] * x[j]
+                        if j >= Q:
+                            y[v * 4 + q - Q] += l4[q] * y[j - Q]
     for r in T.unroll(H):
         b_s[e * H + r, blk * H + c] = T.cast(x[r], half)
     for r in T.unroll(Q):
@@ -87,7 +87,7 @@ def solve_diagonal(ld_s, bt_s, b_s, x, y, lrow, hh, e, blk, c):
 
 
 @T.macro
-def solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, lrow, hh, e, lane):
+def solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, l4, hh, e, lane):
     """One lane's column ``lane`` of X = B^-1 C of head ``hh``, x_r = beta_r (C_r - sum_{j<r} KK_rj x_j) over the
     32 rows of block B (fp32, right-looking as in :func:`solve_diagonal`), stored to the diagonal block e of
     ``a_s`` ([[X_h0, 0], [0, X_h1]]). ``c_s``: K K^T [32:, :32] (unscaled)."""
@@ -96,10 +96,12 @@ def solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, lrow, hh, e, lane):
         x[r] = c_s[r, lane]
     for j in T.unroll(H):
         x[j] = bt_s[hh, H + j] * x[j]
-        _load_row(ld_s, lrow, 1, j)
-        for r in T.unroll(H):
-            if r > j:
-                x[r] -= lrow[r] * x[j]
+        for v in T.unroll(H // 4):
+            if v * 4 + 3 > j:
+                _load_quad(ld_s, l4, 1, j, v)
+                for q in T.unroll(4):
+                    if v * 4 + q > j:
+                        x[v * 4 + q] -= l4[q] * x[j]
     for r in T.unroll(H):
         a_s[e * H + r, e * H + lane] = T.cast(x[r], "float16")
 
@@ -148,7 +150,7 @@ def kkt_inverse(*, dk: int, dtype: str):
         bad: T.Tensor((n_chunk, h_v), "int32"),
     ):
         with T.Kernel(n_chunk, h_qk, T.ceildiv(h_v // h_qk, GB), threads=128) as (chunk, hq, hz):
-            T.annotate_min_blocks_per_sm(4)
+            T.annotate_min_blocks_per_sm(5)
             k_s = T.alloc_shared((C, dk), dtype)
             ld_s = T.alloc_shared((2, LB), acc)  # the two diagonal 32x32 blocks of K K^T (unscaled)
             c_s = T.alloc_shared((H, LS), acc)  # K K^T [32:, :32] (unscaled)
@@ -159,7 +161,7 @@ def kkt_inverse(*, dk: int, dtype: str):
             p_f = T.alloc_fragment((C, C), acc)
             x = T.alloc_local((H,), acc)
             y = T.alloc_local((Q,), acc)
-            lrow = T.alloc_local((H,), acc)
+            l4 = T.alloc_local((4,), acc)
             span = T.alloc_local((2,), "int32")
             bad_s = T.alloc_shared((GB,), "int32")  # per v-head: some token's map is not a contraction
             k_ready = T.alloc_barrier(128)
@@ -217,7 +219,7 @@ def kkt_inverse(*, dk: int, dtype: str):
                         blk = (tx % 32) // Q
                         c = tx % Q
                         if hh < cnt:
-                            solve_diagonal(ld_s, bt_s, b_s, x, y, lrow, hh, e, blk, c)
+                            solve_diagonal(ld_s, bt_s, b_s, x, y, l4, hh, e, blk, c)
                             for r in T.unroll(H):
                                 tt[chunk, hv0 + hh, blk * H + r, blk * H + c] = T.cast(x[r], half)
                             for r in T.unroll(Q):
@@ -226,7 +228,7 @@ def kkt_inverse(*, dk: int, dtype: str):
                                 tt[chunk, hv0 + hh, blk * H + r, blk * H + Q + c] = T.cast(y[r - Q], half)
                     elif h0 + tx // 32 - 2 < cnt:
                         e = tx // 32 - 2
-                        solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, lrow, h0 + e, e, tx % 32)
+                        solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, l4, h0 + e, e, tx % 32)
                     # rows 32 e .. 32 e + 31, columns 0..31: X A^-1 of head h0 + e
                     T.gemm(a_s, b_s, p_f, clear_accum=True)
                     for e, i, j in T.Parallel(2, H, H):
