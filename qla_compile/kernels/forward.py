@@ -119,13 +119,13 @@ def _dense_tables(batch, seqlen, device):
         capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
         where = device if capturing else "cpu"
         steps = torch.arange(batch + 1, device=where, dtype=torch.int32)
-        per_seq = max((seqlen + CHUNK - 1) // CHUNK, 1)
+        chunks = (seqlen + CHUNK - 1) // CHUNK  # per sequence
         slot = torch.arange(_n_slots(batch * seqlen, batch), device=where, dtype=torch.int32)
-        seq, j = slot // per_seq, slot % per_seq
+        seq, j = slot // max(chunks, 1), slot % max(chunks, 1)
         start = seq * seqlen + j * CHUNK
         spans = torch.stack([start, (seqlen - j * CHUNK).clamp(max=CHUNK)], 1) * (seq < batch).unsqueeze(1)
         # spans first: their rows are read as 8-byte vectors
-        flat = torch.cat([spans.flatten(), steps * seqlen, steps * ((seqlen + CHUNK - 1) // CHUNK), steps[:-1]])
+        flat = torch.cat([spans.flatten(), steps * seqlen, steps * chunks, steps[:-1]])
         sizes = [spans.numel(), batch + 1, batch + 1, batch]
         if capturing:
             spans, *rows = flat.split(sizes)

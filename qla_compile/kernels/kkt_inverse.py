@@ -46,7 +46,7 @@ def split_kkt(p_f, ld_s, c_s):
 def _load_quad(ld_s, l4, blk, j, v):
     """Entries 4 v .. 4 v + 3 of row j of diagonal block ``blk`` of K K^T (one float4 broadcast) into ``l4``. K K^T is
     symmetric, so this is also column j: what the right-looking substitution step j subtracts. A quad at a time keeps
-    four registers for the row, not 32 (six CTAs fit an SM)."""
+    four registers for the row, not 32 (five CTAs fit an SM)."""
     for q in T.vectorized(4):
         l4[q] = ld_s[blk, j * _LD_STRIDE + v * 4 + q]
 
