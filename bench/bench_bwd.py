@@ -15,6 +15,7 @@ import random
 import sys
 
 os.environ["FLA_FLASH_QLA"] = "0"
+os.environ["FLA_QLA_COMPILE"] = "0"  # FLA's own kernels: not our backend in its registry (the peer would be us)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402

@@ -38,6 +38,7 @@ import tempfile
 import time
 
 os.environ.setdefault("FLA_FLASH_QLA", "0")  # FLA's own Triton path, not its FlashQLA dispatch
+os.environ["FLA_QLA_COMPILE"] = "0"  # FLA's own kernels: not our backend in its registry (the peer would be us)
 
 import torch  # noqa: E402
 
