@@ -17,12 +17,12 @@ def piece_chunks(lens, h_v: int, n_sm: int, backward: bool = False):
 
     With n_c chunks per sequence and Be = sum(n_c) / max(n_c) the effective number of sequences, the piece
     length is L = 2^round(log2(4.5 sqrt(H_v sum(n_c) / SMs))), at least 8 chunks (the shape of FlashQLA's
-    rule, balancing the pieces' walk against the warm-up and scan). A forward alone splits when Be * H_v <= 24
-    with a sequence of at least 64 chunks, or Be * H_v <= 56 with one of at least 128; with its backward,
-    when the longest sequence has at least 2 L chunks and Be * H_v <= 24, or Be * H_v <= 60 with at least 64.
-    Fitted to the forward and to forward + backward times of FlashQLA's 32-row backward set on an H200
-    (``bench/NOTES-bwd.md``, sessions 6 and 7): beyond these bounds the transitions of non-decaying heads
-    cost more than the split saves.
+    rule, balancing the pieces' walk against the warm-up and scan). A forward alone splits when Be * H_v <= 16
+    with a sequence of at least 32 chunks, Be * H_v <= 32 with one of at least 64, or Be * H_v <= 56 with one of
+    at least 128 (refitted on the H200 to the forward of 2026-12-04, ``bench/results/2026-12-04-fwd-cp-rule.md``);
+    with its backward, when the longest sequence has at least 2 L chunks and Be * H_v <= 24, or Be * H_v <= 60
+    with at least 64 (fitted to forward + backward times of FlashQLA's 32-row backward set, ``bench/NOTES-bwd.md``,
+    sessions 6 and 7). Beyond these bounds the transitions of non-decaying heads cost more than the split saves.
     """
     n_c = [-(-n // CHUNK) for n in lens]
     total, longest = sum(n_c), max(n_c, default=0)
@@ -33,7 +33,8 @@ def piece_chunks(lens, h_v: int, n_sm: int, backward: bool = False):
     if backward:
         on = longest >= 2 * chunks and (be_h <= 24 or (be_h <= 60 and longest >= 64))
     else:
-        on = (be_h <= 24 and longest >= 64) or (be_h <= 56 and longest >= 128)
+        on = ((be_h <= 16 and longest >= 32) or (be_h <= 32 and longest >= 64)
+              or (be_h <= 56 and longest >= 128))
     return chunks if on else None
 
 
