@@ -16,7 +16,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from bench.common import rel_l2  # noqa: E402
 from gdn_inputs import make_inputs  # noqa: E402
 
 F64 = torch.float64
@@ -59,16 +61,12 @@ def _assemble(a_inv, b_inv, t21):
     return fp16(t)
 
 
-def rel(x, ref):
-    return ((x - ref).norm() / ref.norm()).item()
-
-
 def errors(ls):
     out = {"committed": [], "blocked": []}
     for L in ls:
         exact = torch.linalg.inv(torch.eye(64, dtype=F64) + L)
-        out["committed"].append(rel(committed(L), exact))
-        out["blocked"].append(rel(blocked(L), exact))
+        out["committed"].append(rel_l2(committed(L), exact))
+        out["blocked"].append(rel_l2(blocked(L), exact))
     return {name: (max(v), sum(v) / len(v)) for name, v in out.items()}
 
 

@@ -21,8 +21,11 @@ def main():
     ap.add_argument("shapes", nargs="+", help="H_qk/H_v:seqs items, e.g. 2/8:1x2048")
     ap.add_argument("--lengths", default="4,8,16,32,64", help="piece lengths in chunks (comma list; empty: none)")
     args = ap.parse_args()
+    import torch
+
     from qla_compile.kernels import chunk_gdr_fwd_hopper, chunking
 
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count  # what the forward's rule is given
     settings = [None, False] + [int(s) for s in args.lengths.split(",") if s]
     print("| shape | rule L | " + " | ".join(str(s) for s in settings) + " | rule / unsplit |")
     print("|---" * (len(settings) + 3) + "|")
@@ -45,7 +48,7 @@ def main():
             err = rel_l2(forward(s)[0].float(), unsplit)
             ms[s] = time_graph(lambda: forward(s))
             cells.append(f"{ms[s]:.3f}" + ("" if err < 2e-3 else f" (err {err:.1e})"))
-        rule = chunking.piece_chunks(lens, hv, 132)
+        rule = chunking.piece_chunks(lens, hv, n_sm)
         print(f"| {item} | {rule} | " + " | ".join(cells) + f" | {ms[None] / ms[False]:.2f} |", flush=True)
 
 
