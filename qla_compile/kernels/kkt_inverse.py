@@ -24,45 +24,86 @@ import tilelang.language as T
 from ._build import compiled
 from .chunking import CHUNK
 
-_BLK = 16  # the diagonal blocks inverted by substitution
-_HEADS_PER_CTA = 4  # v-heads (of one qk-head) per CTA
-_KD_STRIDE = 20  # fp32 row stride of the diagonal blocks' smem copy
-_KD_BLOCK = _BLK * _KD_STRIDE + 4  # offset between diagonal blocks: two blocks' rows read together hit other banks
-_CW_STRIDE = 36  # fp32 row stride of the smem copy of C: a half-row per lane, float4 loads without bank conflicts
+_HALF = 32  # kkt_inverse works on two 32x32 diagonal blocks
+_HEADS_PER_CTA = 4  # v-heads (of one qk-head) per CTA of kkt_inverse; even (they are processed in pairs)
+_LD_STRIDE = 40  # fp32 row stride of the smem copies of K K^T (conflict-free fragment stores)
+_LD_BLOCK = _HALF * _LD_STRIDE + 4  # offset of the second diagonal block: 4 banks away from the first
 
 
 @T.macro
-def split_kkt(p_f, kd_s, lw_s, cw_s):
-    """K K^T (the fp32 wgmma fragment ``p_f``, 64x64, unscaled) into the smem operands: its four diagonal 16x16
-    blocks (``kd_s``, the substitution's), the two blocks below them inside each 32-block (``lw_s``: L10, L32) and
-    the 32x32 block below the diagonal (``cw_s``: C)."""
-    B, S = _BLK, _KD_STRIDE
+def split_kkt(p_f, ld_s, c_s):
+    """K K^T (the fp32 wgmma fragment ``p_f``, 64x64) into the substitution's smem operands: its two diagonal
+    32x32 blocks into ``ld_s`` (row stride ``_LD_STRIDE``) and the block below the diagonal into ``c_s``."""
+    H, LS = _HALF, _LD_STRIDE
     for i, j in T.Parallel(CHUNK, CHUNK):
-        if i // B == j // B:
-            kd_s[i // B * _KD_BLOCK + (i % B) * S + j % B] = p_f[i, j]
-        elif (i // B == j // B + 1) & (i // B % 2 == 1):
-            lw_s[i // (2 * B), i % B, j % B] = p_f[i, j]
-        if (i >= 2 * B) & (j < 2 * B):
-            cw_s[i - 2 * B, j] = p_f[i, j]
+        if i // H == j // H:
+            ld_s[i // H, (i % H) * LS + j % H] = p_f[i, j]
+        elif i >= H:
+            c_s[i - H, j] = p_f[i, j]
 
 
 @T.macro
-def solve_diagonal(kd_s, bt_s, x, l4, h, b, c):
-    """Column c of D_b = (I + strictly_lower(diag(beta) K K^T)_bb)^-1, the diagonal 16x16 block b of head h, into
-    ``x`` (its 16 rows) by fp32 right-looking substitution: once x_j is final every later row takes its term
-    (K K^T is symmetric, so row j of ``kd_s``'s block is its column j: one float4 broadcast per quad)."""
-    B, S = _BLK, _KD_STRIDE
-    for r in T.unroll(B):
+def _load_quad(ld_s, l4, blk, j, v):
+    """Entries 4 v .. 4 v + 3 of row j of diagonal block ``blk`` of K K^T (one float4 broadcast) into ``l4``. K K^T is
+    symmetric, so this is also column j: what the right-looking substitution step j subtracts. A quad at a time keeps
+    four registers for the row, not 32 (five CTAs fit an SM)."""
+    for q in T.vectorized(4):
+        l4[q] = ld_s[blk, j * _LD_STRIDE + v * 4 + q]
+
+
+@T.macro
+def solve_diagonal(ld_s, bt_s, b_s, x, y, l4, hh, e, blk, c):
+    """One lane's share of the diagonal blocks A^-1 (blk 0) or B^-1 (blk 1) of head ``hh``: column c (32 rows,
+    into ``x``) and column c + 16 (its 16 rows below the diagonal, into ``y``) of the solution of
+    x_r = delta_rc - beta_r sum_{j<r} KK_rj x_j, by fp32 right-looking substitution: once x_j is final, every
+    later row's sum takes its term, so the dependent chain is two FMAs per row (a row-by-row dot product would
+    chain all 496); stored, rounded to fp16, to rows 32 e .. 32 e + 31 of ``b_s`` ([[A_h^-1, B_h^-1], ...]).
+    ``ld_s``: the two unscaled diagonal 32x32 blocks of K K^T; ``bt_s[hh]``: beta (0 for a head not there)."""
+    H, Q = _HALF, _HALF // 2
+    half = "float16"
+    for r in T.unroll(H):
         x[r] = T.float32(0)
-    for j in T.unroll(B):
-        x[j] = T.if_then_else(j == c, T.float32(1), T.float32(0)) - bt_s[h, b * B + j] * x[j]
-        for v in T.unroll(B // 4):
+    for r in T.unroll(Q):
+        y[r] = T.float32(0)
+    for j in T.unroll(H):
+        beta_j = bt_s[hh, blk * H + j]
+        x[j] = T.if_then_else(j == c, T.float32(1), T.float32(0)) - beta_j * x[j]
+        if j >= Q:
+            y[j - Q] = T.if_then_else(j == c + Q, T.float32(1), T.float32(0)) - beta_j * y[j - Q]
+        for v in T.unroll(H // 4):
             if v * 4 + 3 > j:
-                for q in T.vectorized(4):
-                    l4[q] = kd_s[b * _KD_BLOCK + j * S + v * 4 + q]
+                _load_quad(ld_s, l4, blk, j, v)
                 for q in T.unroll(4):
                     if v * 4 + q > j:
                         x[v * 4 + q] += l4[q] * x[j]
+                        if j >= Q:
+                            y[v * 4 + q - Q] += l4[q] * y[j - Q]
+    for r in T.unroll(H):
+        b_s[e * H + r, blk * H + c] = T.cast(x[r], half)
+    for r in T.unroll(Q):
+        b_s[e * H + r, blk * H + Q + c] = T.cast(0, half)
+    for r in T.unroll(Q, H):
+        b_s[e * H + r, blk * H + Q + c] = T.cast(y[r - Q], half)
+
+
+@T.macro
+def solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, l4, hh, e, lane):
+    """One lane's column ``lane`` of X = B^-1 C of head ``hh``, x_r = beta_r (C_r - sum_{j<r} KK_rj x_j) over the
+    32 rows of block B (fp32, right-looking as in :func:`solve_diagonal`), stored to the diagonal block e of
+    ``a_s`` ([[X_h0, 0], [0, X_h1]]). ``c_s``: K K^T [32:, :32] (unscaled)."""
+    H = _HALF
+    for r in T.unroll(H):
+        x[r] = c_s[r, lane]
+    for j in T.unroll(H):
+        x[j] = bt_s[hh, H + j] * x[j]
+        for v in T.unroll(H // 4):
+            if v * 4 + 3 > j:
+                _load_quad(ld_s, l4, 1, j, v)
+                for q in T.unroll(4):
+                    if v * 4 + q > j:
+                        x[v * 4 + q] -= l4[q] * x[j]
+    for r in T.unroll(H):
+        a_s[e * H + r, e * H + lane] = T.cast(x[r], "float16")
 
 
 @compiled
@@ -74,26 +115,29 @@ def kkt_inverse(*, dk: int, dtype: str):
     (``beta < 0`` or ``beta |k|^2 > 2``, |k|^2 from the diagonal of K K^T): ``context_parallel.warmup_plan`` reads it.
 
     One CTA (one warpgroup) per (chunk, qk-head, group of up to 4 v-heads of that qk-head): K and
-    K K^T (fp32, wgmma) once; per v-head, with L = strictly_lower(diag(beta) K K^T) in 16x16 blocks L_ij,
-    D_b = (I + L_bb)^-1 and the 32-blocks A = I + L[:32, :32], B = I + L[32:, 32:], C = L[32:, :32]:
+    K K^T (fp32, wgmma) are computed once and kept in shared memory; only beta and the inverse differ
+    per v-head. With A, B the two 32x32 diagonal blocks of I + L~ and C = L~[32:, :32]:
 
-        A^-1 = [[D0, 0], [-D1 L10 D0, D1]],  B^-1 = [[D2, 0], [-D3 L32 D2, D3]],
-        T~ = [[A^-1, 0], [-B^-1 C A^-1, B^-1]].
+        T~ = [[A^-1, 0], [-X A^-1, B^-1]],   X = B^-1 C.
 
-    The D_b by fp32 substitution on CUDA cores (warps 0-1: a lane per column, 16-row chains) while warps 2-3
-    scale L10, L32, C by beta into fp16; then four small wgmmas on fp16 operands (fp32 accumulation; both
-    32-blocks' products share one wgmma by their row ranges): L10 D0 | L32 D2, then D1 (L10 D0) | D3 (L32 D2),
-    then Z = C A^-1, then B^-1 Z. Each product is rounded to fp16 once (``bench/blocked_inverse_precision.py``:
-    T~ within 1.0e-4 of float64 on the tests' inputs). T~ is assembled in shared memory and stored by 16-byte rows.
+    The v-heads go in pairs (h0, h0 + 1); per pair, fp32 right-looking substitution on CUDA cores:
+    warp e (e = 0, 1) solves A^-1 and B^-1 of head h0 + e (lane l: block l // 16, a 32-row chain for
+    column l % 16 and, on the same row loads, a 16-row chain for column l % 16 + 16); warp 2 + e solves
+    X of head h0 + e (lane l: column l, 32-row chain). The diagonal blocks of T~ are thus rounded to fp16
+    once, straight from fp32, and written to global memory by the lanes that computed them (one row of
+    16 columns per half-warp: two full 32-byte sectors per store). Then one m64n64k64 wgmma on fp16
+    operands, [[X_h0, 0], [0, X_h1]] @ [A_h0^-1 | B_h0^-1 ; A_h1^-1 | B_h1^-1], gives X A^-1 of both heads
+    (columns 0-31; the B^-1 columns are unused). Two block barriers per pair of v-heads.
     """
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
-    C, B, GB, S, KB = CHUNK, _BLK, _HEADS_PER_CTA, _KD_STRIDE, _KD_BLOCK
-    H = 2 * B  # a 32-block
+    C, H, GB, LS, LB = CHUNK, _HALF, _HEADS_PER_CTA, _LD_STRIDE, _LD_BLOCK
+    Q = H // 2
     acc = "float32"
     half = "float16"
+    assert GB % 2 == 0
 
     @T.prim_func
     def kernel(
@@ -108,32 +152,18 @@ def kkt_inverse(*, dk: int, dtype: str):
         with T.Kernel(n_chunk, h_qk, T.ceildiv(h_v // h_qk, GB), threads=128) as (chunk, hq, hz):
             T.annotate_min_blocks_per_sm(5)
             k_s = T.alloc_shared((C, dk), dtype)
-            kd_s = T.alloc_shared((4 * KB,), acc)  # the diagonal 16x16 blocks of K K^T (unscaled)
-            lw_s = T.alloc_shared((2, B, B), acc)  # L10, L32 of K K^T (unscaled)
-            cw_s = T.alloc_shared((H, _CW_STRIDE), acc)  # K K^T [32:, :32] (unscaled)
+            ld_s = T.alloc_shared((2, LB), acc)  # the two diagonal 32x32 blocks of K K^T (unscaled)
+            c_s = T.alloc_shared((H, LS), acc)  # K K^T [32:, :32] (unscaled)
             bt_s = T.alloc_shared((GB, C), acc)  # beta per v-head, 0 past the sequence end
             gt_s = T.alloc_shared((GB, C), acc)  # g per v-head, then gamma
-            bad_s = T.alloc_shared((GB,), "int32")  # per v-head: some token's map is not a contraction
-            # fp16 operands of the four products (the right-hand ones transposed: K-major); rows outside the ranges
-            # named are zero
-            l1_s = T.alloc_shared((C, B), half)  # rows 16-31: L10, rows 48-63: L32
-            d1t_s = T.alloc_shared((H, B), half)  # [D0 | D2]^T
-            d2_s = T.alloc_shared((C, H), half)  # rows 16-31: [D1, 0], rows 48-63: [0, D3]
-            y1t_s = T.alloc_shared((B, H), half)  # [L10 D0; L32 D2]^T
-            c_s = T.alloc_shared((C, H), half)  # rows 32-63: C (beta-scaled)
-            ait_s = T.alloc_shared((H, H), half)  # (A^-1)^T
-            bi_s = T.alloc_shared((C, H), half)  # rows 32-63: B^-1
-            zt_s = T.alloc_shared((H, H), half)  # (C A^-1)^T
-            t21_s = T.alloc_shared((H, H), half)  # -B^-1 C A^-1
+            a_s = T.alloc_shared((C, C), half)  # [[X_h0, 0], [0, X_h1]]
+            b_s = T.alloc_shared((C, C), half)  # [[A_h0^-1, B_h0^-1], [A_h1^-1, B_h1^-1]]
             p_f = T.alloc_fragment((C, C), acc)
-            f1 = T.alloc_fragment((C, H), acc)
-            f2 = T.alloc_fragment((C, B), acc)
-            x = T.alloc_local((B,), acc)
+            x = T.alloc_local((H,), acc)
+            y = T.alloc_local((Q,), acc)
             l4 = T.alloc_local((4,), acc)
-            lv = T.alloc_local((8,), acc)
-            cv = T.alloc_local((B,), acc)
-            bv = T.alloc_local((3,), acc)
             span = T.alloc_local((2,), "int32")
+            bad_s = T.alloc_shared((GB,), "int32")  # per v-head: some token's map is not a contraction
             k_ready = T.alloc_barrier(128)
 
             # per-CTA scalars computed once (the dynamic floor division is not re-evaluated per use)
@@ -155,20 +185,17 @@ def kkt_inverse(*, dk: int, dtype: str):
                     valid = (i < length) & (h < cnt)
                     bt_s[h, i] = T.if_then_else(valid, beta[start + i, hv0 + h], T.float32(0))
                     gt_s[h, i] = T.if_then_else(valid, g[start + i, hv0 + h], T.float32(0))
-                # the zeros of the operands (no head writes them)
-                for i, j in T.Parallel(C, H):
-                    d2_s[i, j] = T.cast(0, half)
-                    c_s[i, j] = T.cast(0, half)
-                    bi_s[i, j] = T.cast(0, half)
-                for i, j in T.Parallel(C, B):
-                    l1_s[i, j] = T.cast(0, half)
-                for i, j in T.Parallel(H, H):
-                    ait_s[i, j] = T.cast(0, half)
+                # b_s too: a pair's missing second head leaves its rows unsolved, and the X A^-1 wgmma multiplies
+                # them by the zeros of a_s, which must not meet a NaN
+                for i, j in T.Parallel(C, C):
+                    b_s[i, j] = T.cast(0, half)
+                    if i // H != j // H:
+                        a_s[i, j] = T.cast(0, half)
                 T.barrier_wait(k_ready, 0)
                 T.gemm(k_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                split_kkt(p_f, kd_s, lw_s, cw_s)
+                split_kkt(p_f, ld_s, c_s)
                 if tx < C:  # row tx: |k|^2 from the diagonal of K K^T
-                    kk = kd_s[tx // B * KB + (tx % B) * S + tx % B]
+                    kk = ld_s[tx // H, (tx % H) * LS + tx % H]
                     for h in T.unroll(GB):
                         if (bt_s[h, tx] < 0) | (bt_s[h, tx] * kk > 2):
                             bad_s[h] = 1
@@ -180,71 +207,36 @@ def kkt_inverse(*, dk: int, dtype: str):
                 if tx < cnt:
                     bad[chunk, hv0 + tx] = bad_s[tx]
 
-                for h in T.serial(cnt):
-                    # the previous head's products and stores are done in every warp
+                for pair in T.serial(T.ceildiv(cnt, 2)):
+                    h0 = pair * 2
+                    # the previous pair's wgmma has finished reading a_s and b_s in every warp
                     T.sync_threads()
-                    if tx < C:
-                        # lane (b, c): column c of D_b, written where the products and T~ read it
-                        b = tx // B
-                        c = tx % B
-                        solve_diagonal(kd_s, bt_s, x, l4, h, b, c)
-                        for r in T.unroll(B):
-                            xr = T.cast(x[r], half)
-                            if b % 2 == 0:
-                                d1t_s[b // 2 * B + c, r] = xr
-                            else:
-                                d2_s[b * B + r, b // 2 * B + c] = xr
-                            if b < 2:
-                                ait_s[b * B + c, b * B + r] = xr
-                            else:
-                                bi_s[b * B + r, (b - 2) * B + c] = xr
-                    else:
-                        # beta-scaled fp16 L10, L32 (4 columns per lane) and C (16 columns per lane): all loads
-                        # first, so that no store is followed by a shared load (which would take a barrier)
-                        u = tx - C
-                        for p in T.unroll(2):
-                            bv[p] = bt_s[h, (2 * p + 1) * B + u // 4]
-                            for q in T.vectorized(4):
-                                lv[p * 4 + q] = lw_s[p, u // 4, u % 4 * 4 + q]
-                        bv[2] = bt_s[h, H + u // 2]
-                        for q in T.vectorized(B):
-                            cv[q] = cw_s[u // 2, u % 2 * B + q]
-                        for p in T.unroll(2):
-                            for q in T.unroll(4):
-                                l1_s[(2 * p + 1) * B + u // 4, u % 4 * 4 + q] = T.cast(bv[p] * lv[p * 4 + q], half)
-                        for q in T.unroll(B):
-                            c_s[H + u // 2, u % 2 * B + q] = T.cast(bv[2] * cv[q], half)
-                    # L10 D0 (rows 16-31, columns 0-15) and L32 D2 (rows 48-63, columns 16-31)
-                    T.gemm(l1_s, d1t_s, f1, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, H):
-                        if (i // B % 2 == 1) & (j // B == i // H):
-                            y1t_s[j % B, i // H * B + i % B] = T.cast(f1[i, j], half)
-                    # D1 L10 D0 (rows 16-31) and D3 L32 D2 (rows 48-63): the off-diagonal blocks of A^-1, B^-1
-                    T.gemm(d2_s, y1t_s, f2, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, B):
-                        if i // B == 1:
-                            ait_s[j, i] = T.cast(-f2[i, j], half)
-                        elif i // B == 3:
-                            bi_s[i, j] = T.cast(-f2[i, j], half)
-                    # Z = C A^-1 (rows 32-63)
-                    T.gemm(c_s, ait_s, f1, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, H):
-                        if i >= H:
-                            zt_s[j, i - H] = T.cast(f1[i, j], half)
-                    # B^-1 Z (rows 32-63)
-                    T.gemm(bi_s, zt_s, f1, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, H):
-                        if i >= H:
-                            t21_s[i - H, j] = T.cast(-f1[i, j], half)
-                    T.sync_threads()
-                    for i, j in T.Parallel(H, H):
-                        tt[chunk, hv0 + h, i, j] = ait_s[j, i]
-                    for i, j in T.Parallel(H, H):
-                        tt[chunk, hv0 + h, i, H + j] = T.cast(0, half)
-                    for i, j in T.Parallel(H, H):
-                        tt[chunk, hv0 + h, H + i, j] = t21_s[i, j]
-                    for i, j in T.Parallel(H, H):
-                        tt[chunk, hv0 + h, H + i, H + j] = bi_s[H + i, j]
+                    # Substitution, fp32 (solve_diagonal, solve_off_diagonal), by the warps of heads that are there
+                    # (an odd count's last pair has one: the other head's rows of the product are not stored)
+                    if tx < 64:
+                        e = tx // 32
+                        hh = h0 + e
+                        blk = (tx % 32) // Q
+                        c = tx % Q
+                        if hh < cnt:
+                            solve_diagonal(ld_s, bt_s, b_s, x, y, l4, hh, e, blk, c)
+                            for r in T.unroll(H):
+                                tt[chunk, hv0 + hh, blk * H + r, blk * H + c] = T.cast(x[r], half)
+                            for r in T.unroll(Q):
+                                tt[chunk, hv0 + hh, blk * H + r, blk * H + Q + c] = T.cast(0, half)
+                            for r in T.unroll(Q, H):
+                                tt[chunk, hv0 + hh, blk * H + r, blk * H + Q + c] = T.cast(y[r - Q], half)
+                    elif h0 + tx // 32 - 2 < cnt:
+                        e = tx // 32 - 2
+                        solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, l4, h0 + e, e, tx % 32)
+                    # rows 32 e .. 32 e + 31, columns 0..31: X A^-1 of head h0 + e
+                    T.gemm(a_s, b_s, p_f, clear_accum=True)
+                    for e, i, j in T.Parallel(2, H, H):
+                        if h0 + e < cnt:
+                            tt[chunk, hv0 + h0 + e, i, H + j] = T.cast(0, half)
+                    for i, j in T.Parallel(C, C):
+                        if (j < H) & (h0 + i // H < cnt):
+                            tt[chunk, hv0 + h0 + i // H, H + i % H, j] = T.cast(-p_f[i, j], half)
 
     return kernel
 
