@@ -30,10 +30,13 @@ METRICS = {  # ncu metric -> column
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor pipe %",
     "sm__inst_executed.sum": "warp instr",
     "dram__throughput.avg.pct_of_peak_sustained_elapsed": "DRAM %",
+    "dram__bytes_read.sum": "DRAM read MB",
+    "dram__bytes_write.sum": "DRAM write MB",
     "smsp__average_warp_latency_issue_stalled_barrier.ratio": "stall barrier",
     "smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio": "stall long sb",
 }
 _PER_US = {"ns": 1e3, "nsecond": 1e3, "us": 1.0, "usecond": 1.0, "ms": 1e-3, "msecond": 1e-3}
+_PER_MB = {"byte": 1e6, "Kbyte": 1e3, "Mbyte": 1.0, "Gbyte": 1e-3}
 
 
 def table(path):
@@ -48,6 +51,8 @@ def table(path):
         value = row["Metric Value"]
         if row["Metric Name"] == "gpu__time_duration.sum":  # ncu picks the unit; the column is us
             value = f"{float(value.replace(',', '')) / _PER_US[row['Metric Unit']]:.1f}"
+        elif row["Metric Name"].startswith("dram__bytes"):  # likewise for bytes: the column is MB
+            value = f"{float(value.replace(',', '')) / _PER_MB[row['Metric Unit']]:.1f}"
         kernels.setdefault(key, {})[METRICS.get(row["Metric Name"], row["Metric Name"])] = value
     cols = list(METRICS.values())
     print("| id | range | kernel | " + " | ".join(cols) + " |")
