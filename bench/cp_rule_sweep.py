@@ -42,7 +42,7 @@ def main():
         unsplit = forward(False)[0].float()
         cells, ms = [], {}
         for s in settings:
-            if s not in (None, False) and s * 64 >= max(lens):
+            if s not in (None, False) and s * chunking.CHUNK >= max(lens):  # the forward would not split
                 cells.append("-")
                 continue
             err = rel_l2(forward(s)[0].float(), unsplit)
