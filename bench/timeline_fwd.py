@@ -28,7 +28,8 @@ EVENTS = {
     "WG2 output": ["start", "inputs landed", "S seen", "Q S, P_g done", "V' seen", "P_g V' done", "O stored"],
     "WG3 q/k loads": ["start", "slot free"],
 }
-PARAMS = [dict(dk=128, dv=128, dtype="bfloat16", has_h0=has_h0, block_dv=128, trace=True) for has_h0 in (True, False)]
+PARAMS = [dict(dk=128, dv=128, dtype="bfloat16", has_h0=has_h0, block_dv=128, pdl=True, trace=True)
+          for has_h0 in (True, False)]
 
 
 def build():

@@ -73,7 +73,7 @@ def _gamma_times(gb_s, st, a, b, row_log2=0.0, col_log2=0.0):
 
 @compiled
 def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128, transition: bool = False,
-                 store_h: bool = False, trace: bool = False):
+                 store_h: bool = False, trace: bool = False, pdl: bool = False):
     """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0,
     scale, o, ht)``, ``order`` the sequences in launch order (``forward._tables``: longest first, so that the
     longest walks start first). ``ht_rows`` int32: the row of ``ht`` each walk's final state goes to (-1: none;
@@ -92,12 +92,18 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     start state in fp16: ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, h0, h)`` with
     ``h[chunk_offsets[n] + j, hv]`` the state before chunk j of sequence n (q is not read).
 
+    With ``pdl`` (the output call only) it is launched as a programmatic dependent of the kernel before it, which
+    lets it start while ``kkt_inverse``'s last CTAs run (that kernel triggers the launch as it starts): it reads
+    ``tt``, ``gb`` and ``h0`` after ``pdl_sync``, but loads q, k and v before, so they must not come from the kernel
+    launched just before it (the forward makes them before ``kkt_inverse``).
+
     With ``trace`` (a diagnostic, ``bench/timeline_fwd.py``; not a shipped variant) the output call takes one more
     argument, int64 ``tr[TRACE_CTAS, 4, TRACE_CHUNKS, TRACE_EVENTS]``: the first thread of each warpgroup of the CTAs
     of v-heads 0..3 of the first walk (DV slice 0) writes the SM's clock at fixed points of each chunk (``mark``).
     """
     assert not (transition and store_h)
     assert not (trace and (transition or store_h))
+    assert not (pdl and (transition or store_h))
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
@@ -178,6 +184,8 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                 T.set_max_nreg(_NREG[0], 1)
                 s_f = T.alloc_fragment((dk, BV), acc)
                 decay = T.alloc_var(acc)
+                if pdl:
+                    T.pdl_sync()
                 if transition:
                     for a, b in T.Parallel(dk, BV):
                         s_f[a, b] = T.cast(is_m & (a == v0 - dv + b), acc)
@@ -330,6 +338,9 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
 
             else:  # WG3: producer warps
                 T.set_max_nreg(_NREG[3], 0)
+                if pdl:
+                    if (tx >= 448) & (tx < 480):  # the T~ warp (q, k, v may load before the previous kernel ends)
+                        T.pdl_sync()
                 for j in T.serial(n_run):
                     i = i0 + j
                     st = j % 2
@@ -446,4 +457,7 @@ def variants():
         for block_dv in (128, 64)
     ]
     states = [dict(p, store_h=True) for p in full]
-    return [("chunk_fwd_ws", params) for params in full + cp + states]
+    # the output call right after kkt_inverse is a programmatic dependent launch; after the CP scan it is not
+    after_kkt = [dict(p, pdl=True) for p in full]
+    after_scan = [p for p in full if p["has_h0"]]
+    return [("chunk_fwd_ws", params) for params in after_kkt + after_scan + cp + states]

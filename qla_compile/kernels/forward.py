@@ -9,7 +9,8 @@ Entry points, called by ``qla_compile.dispatch`` on SM90 CUDA tensors (and expor
   backward pass.
 
 The forward is two kernels: ``kkt_inverse`` (gate cumsum and the gate-free inverse T~, all
-chunks in parallel) and ``chunk_recurrence.chunk_fwd_ws`` (the warp-specialised chunk recurrence). When few
+chunks in parallel) and ``chunk_recurrence.chunk_fwd_ws`` (the warp-specialised chunk recurrence, a programmatic
+dependent launch of the first: its launch and first loads overlap the first's last CTAs). When few
 long sequences would leave SMs idle, ``context_parallel`` cuts them into pieces that run in parallel
 (gate-driven context parallelism: a warm-up or exact transition per piece, then a scan of the
 pieces' initial states). The recurrent kernels start the longest sequences (or pieces) first, so that
@@ -454,7 +455,8 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
-    kernel = chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=_block_dv(n_seq * h_v, dv))
+    kernel = chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=_block_dv(n_seq * h_v, dv),
+                                           pdl=True)  # it starts as kkt_inverse's last CTAs run
     kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], h0, float(scale), o, ht)  # cu[:1] = [0]: walk n to row n
     return o.view(B, T, h_v, dv), ht, tt, gb, offsets, cache
 

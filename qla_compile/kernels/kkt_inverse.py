@@ -151,6 +151,7 @@ def kkt_inverse(*, dk: int, dtype: str):
     ):
         with T.Kernel(n_chunk, h_qk, T.ceildiv(h_v // h_qk, GB), threads=128) as (chunk, hq, hz):
             T.annotate_min_blocks_per_sm(5)
+            T.pdl_trigger()  # the next kernel, a programmatic dependent, may launch as this grid's last CTAs run
             k_s = T.alloc_shared((C, dk), dtype)
             ld_s = T.alloc_shared((2, LB), acc)  # the two diagonal 32x32 blocks of K K^T (unscaled)
             c_s = T.alloc_shared((H, LS), acc)  # K K^T [32:, :32] (unscaled)
