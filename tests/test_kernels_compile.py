@@ -1,9 +1,9 @@
 """The SM90 forward kernels lower and build for sm_90a on a machine without a GPU.
 
-Seven builds (CI has two cores, ~30 s each): the inverse in both dtypes, the bf16 fused kernel with
+Nine builds (CI has two cores, ~30 s each): the inverse in both dtypes, the bf16 fused kernel with
 an initial state and the full V tile, the fp16 one with neither, so both branches of each flag compile,
-the two context-parallel kernels (the fused kernel's transition mode and the piece scan) and the
-varlen table kernel.
+the split-state recurrence (bf16 with an initial state), the two context-parallel kernels (the fused kernel's
+transition mode and the piece scan) and the varlen table kernel.
 ``python -m qla_compile.prebuild`` builds every variant.
 """
 import importlib.util
@@ -22,6 +22,7 @@ VARIANTS = [
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="bfloat16", has_h0=True, block_dv=128)),
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="float16", has_h0=False, block_dv=64)),
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="bfloat16", has_h0=False, block_dv=64, transition=True)),
+    ("chunk_fwd_split", dict(dk=128, dv=128, dtype="bfloat16", has_h0=True)),
     ("scan", dict(dk=128, dv=128, has_h0=True)),
     ("warmup_plan", dict()),
     ("seq_tables", dict(cu_dtype="int64")),
@@ -37,15 +38,18 @@ def _id(name, params):
 def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
     monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("QLA_PREBUILT", "0")
-    from qla_compile.kernels import chunk_recurrence, context_parallel, kkt_inverse, seq_tables
+    from qla_compile.kernels import chunk_recurrence, context_parallel, kkt_inverse, seq_tables, split_state_recurrence
 
     module = {"chunk_fwd_ws": chunk_recurrence, "scan": context_parallel, "warmup_plan": context_parallel,
-              "seq_tables": seq_tables}.get(name, kkt_inverse)
+              "seq_tables": seq_tables, "chunk_fwd_split": split_state_recurrence}.get(name, kkt_inverse)
     kernel = getattr(module, name).__wrapped__(**params)  # uncached: a real build
     source = kernel.get_kernel_source()
     # the GEMMs went to Hopper's warpgroup MMA (the scan's small FP32 product: TF32 mma.sync)
     if name not in ("seq_tables", "warmup_plan"):
         assert ("mma_sync" if name == "scan" else "wgmma") in source
-    if name == "chunk_fwd_ws":
+    if name in ("chunk_fwd_ws", "chunk_fwd_split"):
         assert "tma_load" in source  # inputs stream through the bulk tensor copy engine
+    if name == "chunk_fwd_split":
+        # V^T in and O^T out as 8x8 matrices (ldmatrix/stmatrix .trans), not element by element
+        assert "ptx_ldmatrix_x4_trans" in source and "ptx_stmatrix_m8n8_x4_trans" in source
 

@@ -36,6 +36,7 @@ KERNEL_MODULES = (
     "qla_compile.kernels.kkt_inverse",
     "qla_compile.kernels.seq_tables",
     "qla_compile.kernels.chunk_recurrence",
+    "qla_compile.kernels.split_state_recurrence",
     "qla_compile.kernels.context_parallel",
     "qla_compile.kernels.reverse_recurrence",
     "qla_compile.kernels.chunk_grads",

@@ -9,8 +9,10 @@ Entry points, called by ``qla_compile.dispatch`` on SM90 CUDA tensors (and expor
   backward pass.
 
 The forward is two kernels: ``kkt_inverse`` (gate cumsum and the gate-free inverse T~, all
-chunks in parallel) and ``chunk_recurrence.chunk_fwd_ws`` (the warp-specialised chunk recurrence, a programmatic
-dependent launch of the first: its launch and first loads overlap the first's last CTAs). When few
+chunks in parallel) and the warp-specialised chunk recurrence, a programmatic dependent launch of the first (its
+launch and first loads overlap the first's last CTAs): ``split_state_recurrence.chunk_fwd_split`` (the state in
+registers, split over two warpgroups) where every (sequence, v-head) pair fills a CTA of its own, else
+``chunk_recurrence.chunk_fwd_ws`` with the V dimension split over two CTAs (:func:`_state_kernel`). When few
 long sequences would leave SMs idle, ``context_parallel`` cuts them into pieces that run in parallel
 (gate-driven context parallelism: a warm-up or exact transition per piece, then a scan of the
 pieces' initial states). The recurrent kernels start the longest sequences (or pieces) first, so that
@@ -47,6 +49,7 @@ chunk_recurrence = Kernels("chunk_recurrence")
 context_parallel = Kernels("context_parallel")
 kkt_inverse = Kernels("kkt_inverse")
 seq_tables = Kernels("seq_tables")
+split_state_recurrence = Kernels("split_state_recurrence")
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _HEAD_DIMS = (128,)
@@ -329,6 +332,15 @@ def _block_dv(n_ctas, dv):
     return dv if n_ctas >= _FULL_DV_MIN_CTAS else dv // 2
 
 
+def _state_kernel(dk, dv, dtype, has_h0, n_ctas):
+    """The unsplit forward's chunk recurrence for ``n_ctas`` (sequence, v-head) pairs, launched right after
+    ``kkt_inverse``: ``split_state_recurrence.chunk_fwd_split`` over all of V, else ``chunk_recurrence.chunk_fwd_ws``
+    over half of it (:func:`_block_dv`); the same call and outputs."""
+    if _block_dv(n_ctas, dv) == dv:
+        return split_state_recurrence.chunk_fwd_split(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0)
+    return chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=dv // 2, pdl=True)
+
+
 def _cp_cache_views(cache, n_p, h_v, dk, dv):
     """``(h0p, m, skip)`` of a context-parallel cache (the leading elements of one flat fp32 tensor): the
     pieces' initial states fp32 ``[P, H_v, K, V]``, their transitions fp32 ``[P, H_v, K, K]`` and skip table
@@ -455,8 +467,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
-    kernel = chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=_block_dv(n_seq * h_v, dv),
-                                           pdl=True)  # it starts as kkt_inverse's last CTAs run
+    kernel = _state_kernel(dk, dv, dtype, has_h0, n_seq * h_v)  # it starts as kkt_inverse's last CTAs run
     kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], h0, float(scale), o, ht)  # cu[:1] = [0]: walk n to row n
     return o.view(B, T, h_v, dv), ht, tt, gb, offsets, cache
 
