@@ -140,6 +140,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
             start = bos + i * C
             length = T.min(seqlen - i * C, C)
             T.barrier_wait(full[st], ph)
+            # spelled out: a loop in a macro becomes a TIR loop, which cannot index the list of fragments
             to_operand(s_k[0], s_f, 0)
             to_operand(s_k[1], s_f, 1)
             to_operand(s_k[2], s_f, 2)
