@@ -21,7 +21,7 @@ def _kernels():
 
 
 # the state kernels' DV tile, forced through the rule's threshold: all of V per CTA (what many heads or sequences
-# get) or half of it (what few get)
+# get; an unsplit call then runs split_state_recurrence) or half of it (what few get: chunk_recurrence)
 BLOCK_DV = ["full", "half"]
 
 
