@@ -46,24 +46,22 @@ def traced_forward(x):
     tr = torch.zeros(chunk_recurrence.TRACE_CTAS, 4, chunk_recurrence.TRACE_CHUNKS, chunk_recurrence.TRACE_EVENTS,
                      dtype=torch.int64, device="cuda")
 
-    class Traced:
-        @staticmethod
-        def chunk_fwd_ws(**params):
-            kernel = chunk_recurrence.chunk_fwd_ws(**params, trace=True)
-            return lambda *args: kernel(*args, tr)
+    def traced(dk, dv, dtype, has_h0, n_ctas):
+        """The unsplit forward's recurrence as chunk_fwd_ws over all of V, traced (the forward itself takes
+        split_state_recurrence there)."""
+        kernel = chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=dv, pdl=True,
+                                               trace=True)
+        return lambda *args: kernel(*args, tr)
 
-    real, real_state = forward.chunk_recurrence, forward._state_kernel
-    forward.chunk_recurrence = Traced
-    # chunk_fwd_ws over all of V (the forward takes split_state_recurrence there)
-    forward._state_kernel = lambda dk, dv, dtype, has_h0, n_ctas: Traced.chunk_fwd_ws(
-        dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=dv, pdl=True)
+    real = forward._state_kernel
+    forward._state_kernel = traced
     try:
         o, ht = chunk_gdr_fwd_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["h0"], x["cu"])
         torch.cuda.synchronize()
         ms = time_graph(lambda: chunk_gdr_fwd_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["h0"],
                                                      x["cu"]))
     finally:
-        forward.chunk_recurrence, forward._state_kernel = real, real_state
+        forward._state_kernel = real
     return o, ht, tr.cpu(), ms
 
 
