@@ -5,8 +5,9 @@ with the initial state and the final state output, and is timed as the median of
 Per configuration we check our o and final state against FLA, every peer's o and final state against ours,
 and our o on the first 1024 tokens against the float64 oracle. FlashQLA JIT-compiles per shape class
 (20-60 s each), so it runs only while ``--flashqla-budget`` seconds of its compile+run time remain
-(done-when configurations first). The whole matrix takes longer than one 10-minute device command: run it
-per head configuration,
+(done-when configurations first), unless its kernels come built: ``bench/flashqla_cache.py`` builds every one
+that the matrix and ``bench_bwd`` need on a CPU machine, into a ``TILELANG_CACHE_DIR`` to carry. The whole matrix
+takes longer than one 10-minute device command: run it per head configuration,
 
     python bench/bench_fwd.py --heads 16/64 --out $OUT
 
