@@ -9,6 +9,7 @@ kernels land in ``TILELANG_CACHE_DIR``; carry that folder as a tar.xz and unpack
 ``TILELANG_CACHE_DIR`` the benchmarks run with. Needs FlashQLA and TileLang importable (e.g. the device bundle's
 ``flash_qla`` on ``PYTHONPATH``) and ``nvcc``. The cache is built from FlashQLA's code: never commit it.
 
+    mkdir -p /tmp/sitex && tar xJf .devdeps/site.tar.xz -C /tmp/sitex ./flash_qla   # FlashQLA alone
     TILELANG_CACHE_DIR=/tmp/fq-cache PYTHONPATH=/tmp/sitex python bench/flashqla_cache.py [--fwd] [--bwd]
     tar cJf .carry/flashqla-cache.tar.xz -C /tmp/fq-cache .
 """
