@@ -66,8 +66,9 @@ def traced_forward(x):
 
 
 def split_ms(x):
-    """CUDA-graph medians (ms) of the forward's launches one at a time: the tables, ``kkt_inverse``, the recurrence."""
-    from qla_compile.kernels import chunk_recurrence, forward
+    """CUDA-graph medians (ms) of the forward's launches one at a time: the tables, ``kkt_inverse``, the recurrence
+    (``forward._state_kernel``'s, taking T~)."""
+    from qla_compile.kernels import forward
 
     _, n_tok, h_qk, dk = x["q"].shape
     h_v, dv, n_seq = x["v"].shape[2], x["v"].shape[3], x["cu"].numel() - 1
@@ -75,12 +76,11 @@ def split_ms(x):
     cu, offsets, order, spans = forward._tables(x["cu"], 1, n_tok, q3.device)
     tt, gb, bad = forward._chunk_tables(n_tok, n_seq, h_v, q3.device)
     o, ht = torch.empty_like(v3), torch.empty_like(x["h0"])
-    kernel = chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype="bfloat16", has_h0=True,
-                                           block_dv=forward._block_dv(n_seq * h_v, dv))
+    kernel = forward._state_kernel(dk, dv, "bfloat16", True, n_seq * h_v, False)
     steps = {
         "tables": lambda: forward._tables(x["cu"], 1, n_tok, q3.device),
         "kkt_inverse": lambda: forward._gate_inverse(k3, x["g"], x["beta"], spans, (tt, gb, bad), "bfloat16"),
-        "chunk_fwd_ws": lambda: kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], x["h0"], float(x["scale"]), o,
+        "recurrence": lambda: kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], x["h0"], float(x["scale"]), o,
                                        ht),
     }
     return {name: time_graph(fn) for name, fn in steps.items()}

@@ -457,8 +457,8 @@ def variants():
         for block_dv in (128, 64)
     ]
     states = [dict(p, store_h=True) for p in full]
-    # the output call right after kkt_inverse is a programmatic dependent launch (over all of V the forward takes
-    # split_state_recurrence instead); after the CP scan it is not
+    # the output call right after kkt_inverse is a programmatic dependent launch, after the CP scan it is not (over
+    # all of V the forward takes split_state_recurrence instead of either)
     after_kkt = [dict(p, pdl=True) for p in full if p["block_dv"] < p["dv"]]
-    after_scan = [p for p in full if p["has_h0"]]
+    after_scan = [p for p in full if p["has_h0"] and p["block_dv"] < p["dv"]]
     return [("chunk_fwd_ws", params) for params in after_kkt + after_scan + cp + states]

@@ -15,8 +15,9 @@ registers, split over two warpgroups) where every (sequence, v-head) pair fills 
 ``chunk_recurrence.chunk_fwd_ws`` with the V dimension split over two CTAs (:func:`_state_kernel`). When few
 long sequences would leave SMs idle, ``context_parallel`` cuts them into pieces that run in parallel
 (gate-driven context parallelism: a warm-up or exact transition per piece, then a scan of the
-pieces' initial states). The recurrent kernels start the longest sequences (or pieces) first, so that
-unequal lengths do not leave a long walk to the end of the launch.
+pieces' initial states, then the output pass over the pieces, by the same choice of recurrence). The recurrent
+kernels start the longest sequences (or pieces) first, so that unequal lengths do not leave a long walk to the end
+of the launch.
 One compile per (K, V, dtype, initial state or not, V split or not) serves every head count, length
 and batch layout:
 a dense ``[B, T]`` batch runs as one packed sequence with ``cu_seqlens = [0, T, 2T, ...]``.
@@ -408,8 +409,12 @@ def _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, pieces, fo
                                                  for_backward, cache)
     o = torch.empty_like(v3)
     ht = torch.empty(pieces.seq_pieces.numel() - 1, *h0p.shape[1:], device=h0p.device, dtype=h0p.dtype)
-    chunk_recurrence.chunk_fwd_ws(dk=k3.shape[2], dv=v3.shape[2], dtype=dtype, has_h0=True, block_dv=bv)(
-        q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, pieces.ht_row, h0p, float(scale), o, ht)
+    dk, dv = k3.shape[2], v3.shape[2]
+    if bv == dv:  # every (piece, v-head) pair fills a CTA: the split-state recurrence, as unsplit
+        kernel = split_state_recurrence.chunk_fwd_split(dk=dk, dv=dv, dtype=dtype, has_h0=True)
+    else:
+        kernel = chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=True, block_dv=bv)
+    kernel(q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, pieces.ht_row, h0p, float(scale), o, ht)
     return o, ht, cache
 
 

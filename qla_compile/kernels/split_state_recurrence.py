@@ -2,22 +2,28 @@
 
 One CTA per (sequence, v-head) over all of V = 128, 512 threads, looping over the sequence's chunks; T~ and the
 gate cumsum come from ``kkt_inverse`` (notation and chunk numbering there). State warpgroup w holds its half of
-the state transposed, S^T[v, :] for v in [64 w, 64 w + 64) (fp32 registers), and uses it as the register A
-operand of its wgmmas, so S never goes through shared memory. Per chunk, with tokens b as columns:
+the state transposed, S^T[v, :] for v in [64 w, 64 w + 64) (fp32 registers, as two 64-column halves of d), and
+uses it as the register A operand of its wgmmas, so S never goes through shared memory. Per chunk, with tokens b
+as columns:
 
-    U^T = S^T K^T, O^T = S^T Q^T            (k-step by k-step, so that the two accumulator chains overlap)
+    [U^T | O^T] = S^T [K; Q]^T              (one m64n128 chain: K and Q stacked, per half of d, in one tile)
     W'^T = V^T - e_b U^T,  V'^T = W'^T A_g^T
-    O^T = scale e_b O^T + V'^T P_g^T,  S^T <- e^{gamma_C} S^T + (r_b V'^T) K
+    O^T = scale e_b O^T + V'^T P_g^T,  S^T <- e^{gamma_C} S^T + (r_b V'^T) K   (two m64n64 products, one per half)
 
-V^T is read by ``ldmatrix.trans`` and O^T written by ``stmatrix.trans`` (fragments in the accumulator's layout,
-seen transposed), then TMA-stored; the store's reads are waited for only before the tile is written again.
+K and Q are TMA-loaded as [64 x 64] halves into the two row ranges of a [128 x 64] tile per half of d (TileLang
+0.1.15 lowers TMA into a row range of a 64-column swizzled tile, not of a 128-column one), so the U and O products
+are one dependent chain of eight m64n128k16 steps instead of sixteen m64n64k16 ones. V^T is read by
+``ldmatrix.trans`` and O^T written by ``stmatrix.trans`` (fragments in the accumulator's layout, seen transposed),
+then TMA-stored; the store's reads are waited for only before the tile is written again.
 
 * WG0 "aux", a chunk ahead: the per-column tables e_b, scale e_b, r_b (0 past the sequence end);
-  A_g = Gamma o T~ o beta_col in place over T~ (``ldmatrix`` / ``stmatrix``); then P_g = scale Gamma o Q K^T.
+  A_g = Gamma o T~ o beta_col in place over T~ (``ldmatrix`` / ``stmatrix``); then P_g = scale Gamma o Q K^T
+  from the same stacked tiles.
   It is warpgroup 0 because TileLang 0.1.15 binds an annotated fragment layout (``_acc``) to threads 0..127.
 * WG1, WG2 "state": the chain above for the two halves of V; they share nothing but the input ring.
-* WG3 "producer": one warp TMA-loads q and k, one v (a tile per state warpgroup), one T~ and [gamma; beta] into
-  a two-stage ring (``pdl_sync`` first: the kernel is a programmatic dependent of ``kkt_inverse``).
+* WG3 "producer": one warp TMA-loads the stacked K and Q tiles, one v (a tile per state warpgroup), one T~ and
+  [gamma; beta] into a two-stage ring (``pdl_sync`` first: the kernel is a programmatic dependent of
+  ``kkt_inverse``).
 
 Same call and outputs as ``chunk_recurrence.chunk_fwd_ws(block_dv=dv, pdl=True)``; chosen over it where every
 (sequence, v-head) pair fills a CTA (``forward._state_kernel``). Precision: fp16 A_g, P_g, W' and V' for
@@ -35,7 +41,6 @@ from .chunking import CHUNK
 
 # setmaxnreg per warpgroup (aux, state 0, state 1, producer): sums to 512 = 65536 registers / 128.
 _NREG = (104, 192, 192, 24)
-_KSTEP = 16  # the K extent of one bf16/fp16 wgmma
 
 
 def _acc(rows, cols, transposed=False):
@@ -69,20 +74,25 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
     h_v = T.dynamic("h_v")
     C, HW = CHUNK, dv // 2  # HW: the values of v per state warpgroup
     acc, half = "float32", "float16"
-    assert dk == 8 * _KSTEP  # the U/O k-steps are spelled out below
+    DH = dk // 2  # a half of d: the stacked [K; Q] tiles are 64 columns wide
 
     @T.macro
-    def to_operand(a_k, s_f, kk):
-        """k-step ``kk`` of S^T (columns [16 kk, 16 kk + 16)) in the input dtype, a wgmma A operand."""
-        for a, d in T.Parallel(HW, _KSTEP):
-            a_k[a, d] = T.cast(s_f[a, d + kk * _KSTEP], dtype)
+    def uo_products(a_lo, a_hi, kq_st, uo_f):
+        """[U^T | O^T] = S^T [K; Q]^T as one m64n128 chain over the two K halves."""
+        T.wgmma_gemm(a_lo, kq_st[0], uo_f, transpose_B=True, clear_accum=True)
+        T.wgmma_gemm(a_hi, kq_st[1], uo_f, transpose_B=True)
 
     @T.macro
-    def uo_step(a_k, k_s, q_s, st, kk, u_f, o_f):
-        """k-step ``kk`` of U^T = S^T K^T and O^T = S^T Q^T."""
-        cols = slice(kk * _KSTEP, (kk + 1) * _KSTEP)
-        T.wgmma_gemm(a_k, k_s[st, :, cols], u_f, transpose_B=True, clear_accum=kk == 0)
-        T.wgmma_gemm(a_k, q_s[st, :, cols], o_f, transpose_B=True, clear_accum=kk == 0)
+    def update(vr, kq_st, s_lo, s_hi):
+        """S^T += (r o V'^T) K, K's two column halves from the stacked tiles."""
+        T.wgmma_gemm(vr, kq_st[0][0:C, :], s_lo)
+        T.wgmma_gemm(vr, kq_st[1][0:C, :], s_hi)
+
+    @T.macro
+    def qk_product(kq_st, p_f):
+        """Q K^T from the stacked tiles, over the two halves of d."""
+        T.wgmma_gemm(kq_st[0][C : 2 * C, :], kq_st[0][0:C, :], p_f, transpose_B=True, clear_accum=True)
+        T.wgmma_gemm(kq_st[1][C : 2 * C, :], kq_st[1][0:C, :], p_f, transpose_B=True)
 
     @T.macro
     def gate_inverse(t, a_h, gb_s, st):
@@ -92,6 +102,14 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
             a_h[a, b] = T.cast(T.cast(a_h[a, b], acc) * _gamma_times(gb_s, st, a, b, col_log2=_lg2(gb_s[st, 1, b])),
                                half)
         T.copy(a_h, t)
+
+    @T.macro
+    def load_kq(q, k, tiles, start, hk, full, st):
+        """The stage's K and Q, each half of d into the row ranges [0, C) and [C, 2 C) of that half's tile."""
+        T.tma_copy(k[start : start + C, hk, 0:DH], tiles[0][0:C, :], barrier=full[st])
+        T.tma_copy(q[start : start + C, hk, 0:DH], tiles[0][C : 2 * C, :], barrier=full[st])
+        T.tma_copy(k[start : start + C, hk, DH:dk], tiles[1][0:C, :], barrier=full[st])
+        T.tma_copy(q[start : start + C, hk, DH:dk], tiles[1][C : 2 * C, :], barrier=full[st])
 
     @T.macro
     def load_v(v, tiles, start, hv, full, st):
@@ -111,15 +129,17 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
                     o[start + a, hv, w * HW + b] = o_w[a, b]
 
     @T.macro
-    def state_half(w, q_s, k_s, vb, ttb, gb_s, cf_s, pb, o_w, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows,
+    def state_half(w, kq, vb, ttb, gb_s, cf_s, pb, o_w, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows,
                    seq, hv, bos, seqlen, n_iter):
         """State warpgroup ``w``: rows v in [w HW, (w + 1) HW) of S^T and O^T. ``vb``: its V tile of each stage,
         ``o_w``: its O tile (whole 2-D buffers: TileLang lowers copies of those to ldmatrix/stmatrix)."""
         T.set_max_nreg(_NREG[1 + w], 1)
-        s_f = T.alloc_fragment((HW, dk), acc)  # S^T[v, d] = S[d, w HW + v]
-        s_k = [T.alloc_fragment((HW, _KSTEP), dtype) for _ in range(dk // _KSTEP)]
-        u_f = T.alloc_fragment((HW, C), acc)
-        o_f = T.alloc_fragment((HW, C), acc)
+        s_lo = T.alloc_fragment((HW, DH), acc)  # S^T[v, d], d in [0, DH)
+        s_hi = T.alloc_fragment((HW, DH), acc)  # d in [DH, dk)
+        a_lo = T.alloc_fragment((HW, DH), dtype)
+        a_hi = T.alloc_fragment((HW, DH), dtype)
+        uo_f = T.alloc_fragment((HW, 2 * C), acc)  # [U^T | O^T]
+        o2_f = T.alloc_fragment((HW, C), acc)  # V'^T P_g^T
         vp_f = T.alloc_fragment((HW, C), acc)
         w_h = T.alloc_fragment((HW, C), half)
         vp_h = T.alloc_fragment((HW, C), half)
@@ -130,63 +150,54 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
         decay = T.alloc_var(acc)
         T.pdl_sync()
         if has_h0:
-            for a, d in T.Parallel(HW, dk):
-                s_f[a, d] = h0[seq, hv, d, w * HW + a]
+            for a, d in T.Parallel(HW, DH):
+                s_lo[a, d] = h0[seq, hv, d, w * HW + a]
+                s_hi[a, d] = h0[seq, hv, DH + d, w * HW + a]
         else:
-            T.clear(s_f)
+            T.clear(s_lo)
+            T.clear(s_hi)
         for i in T.serial(n_iter):
             st = i % 2
             ph = (i // 2) % 2
             start = bos + i * C
             length = T.min(seqlen - i * C, C)
             T.barrier_wait(full[st], ph)
-            # spelled out: a loop in a macro becomes a TIR loop, which cannot index the list of fragments
-            to_operand(s_k[0], s_f, 0)
-            to_operand(s_k[1], s_f, 1)
-            to_operand(s_k[2], s_f, 2)
-            to_operand(s_k[3], s_f, 3)
-            to_operand(s_k[4], s_f, 4)
-            to_operand(s_k[5], s_f, 5)
-            to_operand(s_k[6], s_f, 6)
-            to_operand(s_k[7], s_f, 7)
-            uo_step(s_k[0], k_s, q_s, st, 0, u_f, o_f)
-            uo_step(s_k[1], k_s, q_s, st, 1, u_f, o_f)
-            uo_step(s_k[2], k_s, q_s, st, 2, u_f, o_f)
-            uo_step(s_k[3], k_s, q_s, st, 3, u_f, o_f)
-            uo_step(s_k[4], k_s, q_s, st, 4, u_f, o_f)
-            uo_step(s_k[5], k_s, q_s, st, 5, u_f, o_f)
-            uo_step(s_k[6], k_s, q_s, st, 6, u_f, o_f)
-            uo_step(s_k[7], k_s, q_s, st, 7, u_f, o_f)
+            for a, d in T.Parallel(HW, DH):
+                a_lo[a, d] = T.cast(s_lo[a, d], dtype)
+                a_hi[a, d] = T.cast(s_hi[a, d], dtype)
             if st == 0:
+                uo_products(a_lo, a_hi, kq[0], uo_f)
                 T.copy(vb[0], vt)
             else:
+                uo_products(a_lo, a_hi, kq[1], uo_f)
                 T.copy(vb[1], vt)
             decay = _exp(gb_s[st, 0, C - 1])
             T.barrier_wait(ag_ready[st], ph)
-            T.wait_wgmma(1)  # U done (O's last k-step may still run)
+            T.wait_wgmma(0)
             for a, b in T.Parallel(HW, C):
-                w_h[a, b] = T.cast(T.cast(vt[b, a], acc) - cf_s[st, 0, b] * u_f[a, b], half)
+                w_h[a, b] = T.cast(T.cast(vt[b, a], acc) - cf_s[st, 0, b] * uo_f[a, b], half)
             if st == 0:
                 T.wgmma_gemm(w_h, ttb[0], vp_f, transpose_B=True, clear_accum=True)
             else:
                 T.wgmma_gemm(w_h, ttb[1], vp_f, transpose_B=True, clear_accum=True)
-            for a, d in T.Parallel(HW, dk):
-                s_f[a, d] = s_f[a, d] * decay
+            for a, d in T.Parallel(HW, DH):
+                s_lo[a, d] = s_lo[a, d] * decay
+                s_hi[a, d] = s_hi[a, d] * decay
             T.wait_wgmma(0)
             for a, b in T.Parallel(HW, C):
                 vp_h[a, b] = T.cast(vp_f[a, b], half)
                 vr[a, b] = T.cast(vp_f[a, b] * cf_s[st, 2, b], dtype)
-                o_f[a, b] = o_f[a, b] * cf_s[st, 1, b]
             T.barrier_wait(p_ready[st], ph)
             if st == 0:
-                T.wgmma_gemm(vp_h, pb[0], o_f, transpose_B=True)
+                T.wgmma_gemm(vp_h, pb[0], o2_f, transpose_B=True, clear_accum=True)
+                update(vr, kq[0], s_lo, s_hi)
             else:
-                T.wgmma_gemm(vp_h, pb[1], o_f, transpose_B=True)
-            T.wgmma_gemm(vr, k_s[st, :, :], s_f)
-            T.wait_wgmma(1)  # O done
+                T.wgmma_gemm(vp_h, pb[1], o2_f, transpose_B=True, clear_accum=True)
+                update(vr, kq[1], s_lo, s_hi)
+            T.wait_wgmma(2)  # P_g V' done (the two state products may still run)
             for a, b in T.Parallel(HW, C):
-                ot[b, a] = T.cast(o_f[a, b], dtype)
-            T.tma_store_wait(0)  # the previous chunk's store has read o_w
+                ot[b, a] = T.cast(uo_f[a, C + b] * cf_s[st, 1, b] + o2_f[a, b], dtype)
+            T.tma_store_wait(0)
             T.copy(ot, o_w)
             store_o(o_w, o, start, length, hv, w)
             T.wait_wgmma(0)
@@ -194,8 +205,9 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
         T.tma_store_wait(0)
         row = T.alloc_var("int32", init=T.if_then_else(n_rows == n_seq1 - 1, ht_rows[seq], seq))
         if row >= 0:
-            for a, d in T.Parallel(HW, dk):
-                ht[row, hv, d, w * HW + a] = s_f[a, d]
+            for a, d in T.Parallel(HW, DH):
+                ht[row, hv, d, w * HW + a] = s_lo[a, d]
+                ht[row, hv, DH + d, w * HW + a] = s_hi[a, d]
 
     @T.prim_func
     def kernel(
@@ -217,8 +229,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
         with T.Kernel(h_v, n_seq1 - 1, threads=512) as (hv, rank):
             T.import_source(_PTX)
             # two-stage input ring, filled by TMA
-            q_s = T.alloc_shared((2, C, dk), dtype)
-            k_s = T.alloc_shared((2, C, dk), dtype)
+            kq = [[T.alloc_shared((2 * C, DH), dtype) for _ in range(2)] for _ in range(2)]  # [stage][half of d]
             vb = [[T.alloc_shared((C, HW), dtype) for _ in range(2)] for _ in range(2)]  # [stage][half] V
             ttb = [T.alloc_shared((C, C), half) for _ in range(2)]  # T~ per stage, overwritten by A_g
             gb_s = T.alloc_shared((2, 2, C), acc)  # [gamma; beta]
@@ -263,7 +274,10 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
                     T.barrier_arrive(ag_ready[st])
                     # Q K^T only now: a wgmma issued earlier waits behind the state warpgroups' in the tensor
                     # pipe and holds up everything after it
-                    T.wgmma_gemm(q_s[st, :, :], k_s[st, :, :], p_f, transpose_B=True, clear_accum=True)
+                    if st == 0:
+                        qk_product(kq[0], p_f)
+                    else:
+                        qk_product(kq[1], p_f)
                     T.wait_wgmma(0)
                     for a, b in T.Parallel(C, C):
                         p_f[a, b] = p_f[a, b] * _gamma_times(gb_s, st, a, b, row_log2=log2_scale)
@@ -275,10 +289,10 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
                     T.barrier_arrive(p_ready[st])
                     T.barrier_arrive(empty[st])
             elif tx < 256:
-                state_half(0, q_s, k_s, [vb[0][0], vb[1][0]], ttb, gb_s, cf_s, pb, ob[0], full, empty, ag_ready,
+                state_half(0, kq, [vb[0][0], vb[1][0]], ttb, gb_s, cf_s, pb, ob[0], full, empty, ag_ready,
                            p_ready, h0, o, ht, ht_rows, seq, hv, bos, seqlen, n_iter)
             elif tx < 384:
-                state_half(1, q_s, k_s, [vb[0][1], vb[1][1]], ttb, gb_s, cf_s, pb, ob[1], full, empty, ag_ready,
+                state_half(1, kq, [vb[0][1], vb[1][1]], ttb, gb_s, cf_s, pb, ob[1], full, empty, ag_ready,
                            p_ready, h0, o, ht, ht_rows, seq, hv, bos, seqlen, n_iter)
             else:  # WG3: producer warps
                 T.set_max_nreg(_NREG[3], 0)
@@ -289,8 +303,10 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
                     start = bos + i * C
                     if tx < 416:
                         T.barrier_wait(empty[st], (i // 2 + 1) % 2)
-                        T.tma_copy(q[start : start + C, hk, :], q_s[st, :, :], barrier=full[st])
-                        T.tma_copy(k[start : start + C, hk, :], k_s[st, :, :], barrier=full[st])
+                        if st == 0:
+                            load_kq(q, k, kq[0], start, hk, full, st)
+                        else:
+                            load_kq(q, k, kq[1], start, hk, full, st)
                         T.barrier_arrive(full[st])
                     elif tx < 448:
                         T.barrier_wait(empty[st], (i // 2 + 1) % 2)
@@ -309,7 +325,6 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
                         T.barrier_arrive(full[st])
 
     return kernel
-
 
 def variants():
     """``(kernel name, params)`` of every variant (K = V = 128, bf16/fp16, with and without an initial state)."""
