@@ -76,7 +76,7 @@ def split_ms(x):
     cu, offsets, order, spans = forward._tables(x["cu"], 1, n_tok, q3.device)
     tt, gb, bad = forward._chunk_tables(n_tok, n_seq, h_v, q3.device)
     o, ht = torch.empty_like(v3), torch.empty_like(x["h0"])
-    kernel = forward._state_kernel(dk, dv, "bfloat16", True, n_seq * h_v, False)
+    kernel = forward._state_kernel(dk, dv, "bfloat16", True, n_seq * h_v)
     steps = {
         "tables": lambda: forward._tables(x["cu"], 1, n_tok, q3.device),
         "kkt_inverse": lambda: forward._gate_inverse(k3, x["g"], x["beta"], spans, (tt, gb, bad), "bfloat16"),
