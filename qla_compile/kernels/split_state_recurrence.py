@@ -22,14 +22,14 @@ then TMA-stored; the store's reads are waited for only before the tile is writte
   It is warpgroup 0 because TileLang 0.1.15 binds an annotated fragment layout (``_acc``) to threads 0..127.
 * WG1, WG2 "state": the chain above for the two halves of V; they share nothing but the input ring.
 * WG3 "producer": one warp TMA-loads the stacked K and Q tiles, one v (a tile per state warpgroup), one T~ and
-  [gamma; beta] into a two-stage ring (``pdl_sync`` first: the kernel is a programmatic dependent of
-  ``kkt_inverse``).
+  [gamma; beta] into a two-stage ring (``pdl_sync`` first: right after ``kkt_inverse`` the kernel is its
+  programmatic dependent).
 
 Same call and outputs as ``chunk_recurrence.chunk_fwd_ws(block_dv=dv, pdl=True)``; chosen over it where every
-(sequence, v-head) pair fills a CTA (``forward._state_kernel``). Precision: fp16 A_g, P_g, W' and V' for
-P_g V', r o V' in the input dtype (the dtype of K it multiplies), S^T in the input dtype for the products with
-K and Q, fp32 accumulators, state and gate tables. Rows of a partial chunk past the sequence end have beta = 0
-and r = 0 (as in ``chunk_fwd_ws``) and are not stored.
+(sequence or piece, v-head) pair fills a CTA (``forward._state_kernel``, ``forward._forward_cp``). Precision: fp16
+A_g, P_g, W' and V' for P_g V', r o V' in the input dtype (the dtype of K it multiplies), S^T in the input dtype for
+the products with K and Q, fp32 accumulators, state and gate tables. Rows of a partial chunk past the sequence end
+have beta = 0 and r = 0 (as in ``chunk_fwd_ws``) and are not stored.
 """
 
 import tilelang.language as T
@@ -197,7 +197,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
             T.wait_wgmma(2)  # P_g V' done (the two state products may still run)
             for a, b in T.Parallel(HW, C):
                 ot[b, a] = T.cast(uo_f[a, C + b] * cf_s[st, 1, b] + o2_f[a, b], dtype)
-            T.tma_store_wait(0)
+            T.tma_store_wait(0)  # the previous chunk's store has read o_w
             T.copy(ot, o_w)
             store_o(o_w, o, start, length, hv, w)
             T.wait_wgmma(0)
@@ -325,6 +325,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
                         T.barrier_arrive(full[st])
 
     return kernel
+
 
 def variants():
     """``(kernel name, params)`` of every variant (K = V = 128, bf16/fp16, with and without an initial state)."""
