@@ -333,13 +333,13 @@ def _block_dv(n_ctas, dv):
     return dv if n_ctas >= _FULL_DV_MIN_CTAS else dv // 2
 
 
-def _state_kernel(dk, dv, dtype, has_h0, n_ctas):
-    """The unsplit forward's chunk recurrence for ``n_ctas`` (sequence, v-head) pairs, launched right after
-    ``kkt_inverse``: ``split_state_recurrence.chunk_fwd_split`` over all of V, else ``chunk_recurrence.chunk_fwd_ws``
-    over half of it (:func:`_block_dv`); the same call and outputs."""
+def _state_kernel(dk, dv, dtype, has_h0, n_ctas, **ws):
+    """The forward's chunk recurrence for ``n_ctas`` (sequence or piece, v-head) pairs:
+    ``split_state_recurrence.chunk_fwd_split`` over all of V, else ``chunk_recurrence.chunk_fwd_ws`` (its other
+    params ``ws``) over half of it (:func:`_block_dv`); the same call and outputs."""
     if _block_dv(n_ctas, dv) == dv:
         return split_state_recurrence.chunk_fwd_split(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0)
-    return chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=dv // 2, pdl=True)
+    return chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=dv // 2, **ws)
 
 
 def _cp_cache_views(cache, n_p, h_v, dk, dv):
@@ -405,15 +405,11 @@ def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
 def _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, pieces, for_backward, cache=None):
     """The fused forward over the :class:`_Pieces` ``pieces``, their initial states from ``context_parallel``:
     ``(o, final_state, cache)`` (``cache`` as ``_piece_initial_states`` with ``backward=for_backward``)."""
-    h0p, bv, _, _, cache = _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
-                                                 for_backward, cache)
+    h0p, _, _, _, cache = _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
+                                                for_backward, cache)
     o = torch.empty_like(v3)
     ht = torch.empty(pieces.seq_pieces.numel() - 1, *h0p.shape[1:], device=h0p.device, dtype=h0p.dtype)
-    dk, dv = k3.shape[2], v3.shape[2]
-    if bv == dv:  # every (piece, v-head) pair fills a CTA: the split-state recurrence, as unsplit
-        kernel = split_state_recurrence.chunk_fwd_split(dk=dk, dv=dv, dtype=dtype, has_h0=True)
-    else:
-        kernel = chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=True, block_dv=bv)
+    kernel = _state_kernel(k3.shape[2], v3.shape[2], dtype, True, pieces.order.numel() * v3.shape[1])
     kernel(q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, pieces.ht_row, h0p, float(scale), o, ht)
     return o, ht, cache
 
@@ -472,7 +468,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
-    kernel = _state_kernel(dk, dv, dtype, has_h0, n_seq * h_v)  # it starts as kkt_inverse's last CTAs run
+    kernel = _state_kernel(dk, dv, dtype, has_h0, n_seq * h_v, pdl=True)  # it starts as kkt_inverse's last CTAs run
     kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], h0, float(scale), o, ht)  # cu[:1] = [0]: walk n to row n
     return o.view(B, T, h_v, dv), ht, tt, gb, offsets, cache
 
