@@ -26,13 +26,16 @@ import time
 
 
 def all_variants():
-    """``(module, kernel name, params)`` for every kernel module that declares ``variants()``."""
+    """``(module, kernel name, params)`` for every kernel module that declares ``variants()``, the params with the
+    factory's defaults filled in (as the variant's key has them)."""
     from qla_compile.kernels import _prebuilt
+    from qla_compile.kernels._build import full_params
 
     out = []
     for name in _prebuilt.KERNEL_MODULES:
         module = importlib.import_module(name)
-        out += [(name, kernel, params) for kernel, params in getattr(module, "variants", list)()]
+        out += [(name, kernel, full_params(getattr(module, kernel).factory, params))
+                for kernel, params in getattr(module, "variants", list)()]
     return out
 
 
@@ -69,6 +72,7 @@ def build(jobs: int, artifact: bool):
     import tilelang
 
     from qla_compile.kernels import TARGET, _prebuilt, cache_dir
+    from qla_compile.kernels._build import defaults as factory_defaults
 
     if artifact:
         os.environ["QLA_PREBUILT"] = "0"  # the workers inherit it: a key not reused comes from the cache or nvcc
@@ -84,7 +88,9 @@ def build(jobs: int, artifact: bool):
             built.append(dict(module=module, kernel=kernel, params=params, key=key, entry=entry, reused=reused))
     print(f"done in {time.time() - start:.1f} s ({sum(b['reused'] for b in built)} reused)")
     if artifact:
-        _prebuilt.write(built, tilelang.__version__, TARGET, _prebuilt.sources_sha256())
+        defaults = {f"{b['module']}.{b['kernel']}": factory_defaults(_kernel(b["module"], b["kernel"]).factory)
+                    for b in built}
+        _prebuilt.write(built, tilelang.__version__, TARGET, _prebuilt.sources_sha256(), defaults)
         size = os.path.getsize(os.path.join(_prebuilt.DIR, "kernels.tar.xz"))
         print(f"wrote {_prebuilt.DIR}: {len(built)} variants, {size / 1e6:.2f} MB")
 

@@ -45,11 +45,11 @@ def launcher():
     _build.kernel.cache_clear()
 
 
-def _write_manifest(directory, tilelang_version, variants, sources=""):
+def _write_manifest(directory, tilelang_version, variants, sources="", defaults=None):
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "manifest.json").write_text(json.dumps({"tilelang": tilelang_version, "target": {},
                                                          "archive_sha256": "", "sources_sha256": sources,
-                                                         "variants": variants}))
+                                                         "defaults": defaults or {}, "variants": variants}))
 
 
 def test_key_follows_kernel_source_params_and_tilelang(tables, monkeypatch):
@@ -108,7 +108,7 @@ def test_loader_prebuilt_then_cache_then_compile(tables, tmp_path, monkeypatch, 
     assert len(logs) == 1 and "compiling the kernel seq_tables" in logs[0] and "no prebuilt binaries" in logs[0]
     key = tables.seq_tables.key(**PARAMS)
     _prebuilt.write([dict(module=MODULE, kernel="seq_tables", params=PARAMS, key=key,
-                          entry=str(tmp_path / "build" / "kernels" / key))], tilelang.__version__, TARGET, "")
+                          entry=str(tmp_path / "build" / "kernels" / key))], tilelang.__version__, TARGET, "", {})
 
     kernel, logs = call("fresh")
     assert logs == [] and kernel.adapter.libpath.startswith(str(tmp_path / "fresh" / "prebuilt"))
@@ -163,17 +163,21 @@ def test_check_lists_missing_and_stale_variants(tmp_path, monkeypatch, capsys):
     assert "kernels.tar.xz is not the archive its manifest lists" in capsys.readouterr().out
 
 
-def test_the_backward_s_kernels_as_called_are_shipped():
-    """Variant keys hash the params as passed: the forward+backward's ``scan`` and ``chunk_grads`` calls spell out
-    ``reverse``, ``pdl`` and ``l2norm`` as their listed variants do (on the H200 they compiled while they left them out)."""
+def test_a_default_spelled_out_or_left_out_is_one_shipped_variant():
+    """Variant keys hash the params with the factory's defaults filled in (on the H200 a call that left out a
+    default its listed variant spelled out compiled instead of loading the shipped binary)."""
     pytest.importorskip("tilelang")
     from qla_compile.kernels import _prebuilt, chunk_grads, context_parallel
 
     shipped = {v["key"] for v in _prebuilt.manifest()["variants"]}
-    assert context_parallel.scan.key(dk=128, dv=128, has_h0=False, reverse=False) in shipped
+    key = context_parallel.scan.key(dk=128, dv=128, has_h0=False, reverse=False)
+    assert key in shipped and context_parallel.scan.key(dk=128, dv=128, has_h0=False) == key
+    assert context_parallel.scan.key(dk=128, dv=128, has_h0=False, reverse=True) != key
     for l2norm in (False, True):
         assert chunk_grads.chunk_grads.key(dk=128, dv=128, dtype="bfloat16", pdl=True, l2norm=l2norm) in shipped
-    assert context_parallel.scan.key(dk=128, dv=128, has_h0=False) not in shipped  # why the calls spell them out
+    module = "qla_compile.kernels.context_parallel"
+    assert _prebuilt.listed_key(module, "scan", dict(dk=128, dv=128, has_h0=False)) == (key, None)
+    assert _prebuilt.listed_key(module, "scan", dict(dk=128, dv=128, has_h0=False, reverse=False)) == (key, None)
 
 
 def test_listed_key_names_the_reason(tmp_path, monkeypatch):
@@ -187,7 +191,14 @@ def test_listed_key_names_the_reason(tmp_path, monkeypatch):
     listed = [dict(module=MODULE, kernel="seq_tables", params=PARAMS, key="1" * 64)]
     _write_manifest(tmp_path / "prebuilt", version, listed, _prebuilt.sources_sha256())
     assert _prebuilt.listed_key(MODULE, "seq_tables", PARAMS) == ("1" * 64, None)
-    assert _prebuilt.listed_key(MODULE, "seq_tables", dict(cu_dtype="int64"))[1] == "it is not among the prebuilt variants"
+    not_listed = "it is not among the prebuilt variants"
+    assert _prebuilt.listed_key(MODULE, "seq_tables", dict(cu_dtype="int64"))[1] == not_listed
+    with_default = [dict(module=MODULE, kernel="seq_tables", params=dict(PARAMS, extra=1), key="2" * 64)]
+    _write_manifest(tmp_path / "prebuilt", version, with_default, _prebuilt.sources_sha256(),
+                    defaults={f"{MODULE}.seq_tables": dict(extra=1)})
+    assert _prebuilt.listed_key(MODULE, "seq_tables", PARAMS) == ("2" * 64, None)  # the default filled in
+    assert _prebuilt.listed_key(MODULE, "seq_tables", dict(PARAMS, extra=1)) == ("2" * 64, None)
+    assert _prebuilt.listed_key(MODULE, "seq_tables", dict(PARAMS, extra=2))[1] == not_listed
     _write_manifest(tmp_path / "prebuilt", "0.0.1", listed, _prebuilt.sources_sha256())
     assert f"for TileLang 0.0.1, this is {version}" in _prebuilt.listed_key(MODULE, "seq_tables", PARAMS)[1]
     _write_manifest(tmp_path / "prebuilt", version, listed, "0" * 64)
@@ -266,7 +277,7 @@ def test_build_artifact_reuses_the_installed_binary_of_a_matching_key(tables, tm
         (fake / name).write_bytes(f"stand-in {name}".encode())
     monkeypatch.setattr(_prebuilt, "DIR", str(tmp_path / "prebuilt"))
     _prebuilt.write([dict(module=MODULE, kernel="seq_tables", params=PARAMS, key=key, entry=str(fake))],
-                    tilelang.__version__, TARGET, "0" * 64)
+                    tilelang.__version__, TARGET, "0" * 64, {})
     monkeypatch.setattr(prebuild, "all_variants", lambda: [(MODULE, "seq_tables", PARAMS)])
     monkeypatch.setenv("QLA_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("QLA_PREBUILT", "1")  # restored after build() sets it to 0

@@ -13,7 +13,9 @@ from the first of
 3. a JIT compile by TileLang, logged in one line that says why steps 1 and 2 had no binary.
 
 Steps 1 and 2 hold a variant under its key (:func:`variant_key`): a hash of the TIR its factory generates (so of
-every kernel source it depends on), its name and params, the TileLang version, the target and the pass configs.
+every kernel source it depends on), its name and params (with the factory's defaults filled in, :func:`full_params`:
+a call that spells a default out finds the same binary as one that leaves it out), the TileLang version, the target
+and the pass configs.
 A changed kernel or TileLang has other keys, so a stale binary is never found, let alone loaded. An entry is a
 directory (:func:`save`): ``executable.so`` (the host launcher with the sm_90a cubin, TileLang's tvm_ffi
 backend), ``params.json`` (the argument types) and ``device_kernel.cu`` (the generated CUDA, for reading).
@@ -30,6 +32,7 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -72,6 +75,19 @@ def variant_key(name: str, params: dict, prim) -> str:
         "machine": platform.machine(),
     }
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def defaults(factory) -> dict:
+    """The defaults of a kernel factory's params."""
+    return {n: p.default for n, p in inspect.signature(factory).parameters.items() if p.default is not p.empty}
+
+
+def full_params(factory, params: dict) -> dict:
+    """``params`` with ``factory``'s defaults filled in, in its signature's order (an unknown one is kept, for the
+    factory to reject)."""
+    sig = inspect.signature(factory).parameters
+    full = {n: params.get(n, p.default) for n, p in sig.items() if n in params or p.default is not p.empty}
+    return {**full, **{n: v for n, v in params.items() if n not in sig}}
 
 
 def describe(name: str, params: dict) -> str:
@@ -174,6 +190,7 @@ def compiled(factory):
 
     @functools.lru_cache(maxsize=None)
     def build(**params):
+        params = full_params(factory, params)
         with _LOCK:
             prim = factory(**params)
             key = variant_key(name, params, prim)
@@ -181,7 +198,11 @@ def compiled(factory):
             return kernel if kernel is not None else _jit(name, params, prim, key, why)
 
     build.factory = factory
-    build.key = lambda **params: variant_key(name, params, factory(**params))
+    def key(**params):
+        params = full_params(factory, params)
+        return variant_key(name, params, factory(**params))
+
+    build.key = key
     return build
 
 

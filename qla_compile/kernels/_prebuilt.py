@@ -2,8 +2,8 @@
 file and made from the kernel sources by ``python -m qla_compile.prebuild --build-artifact``:
 
 * ``manifest.json`` -- the TileLang version and target they were built for, the archive's sha256, the kernel
-  sources' sha256 (:func:`sources_sha256`) and, per variant, its module, kernel, params and key
-  (``_build.variant_key``);
+  sources' sha256 (:func:`sources_sha256`), per variant its module, kernel, params (defaults filled in) and key
+  (``_build.variant_key``), and per kernel its params' defaults;
 * ``kernels.tar.xz`` -- one directory per key, as ``_build.save`` writes it.
 
 The archive is unpacked on first use into ``<kernel cache>/prebuilt/<its sha256>/``, once per machine and
@@ -97,6 +97,7 @@ def listed_key(module: str, name: str, params: dict) -> tuple[str | None, str | 
         return None, "TileLang is not installed"
     if version != m["tilelang"]:
         return None, f"the prebuilt binaries are for TileLang {m['tilelang']}, this is {version}"
+    params = {**m.get("defaults", {}).get(f"{module}.{name}", {}), **params}  # as listed: defaults filled in
     for v in m["variants"]:
         if (v["module"], v["kernel"], v["params"]) == (module, name, params):
             return v["key"], None
@@ -156,10 +157,10 @@ def _unpack(root):
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def write(variants: list[dict], tilelang_version: str, target: dict, sources: str):
+def write(variants: list[dict], tilelang_version: str, target: dict, sources: str, defaults: dict):
     """Pack the entry directories of ``variants`` (dicts of module, kernel, params, key and entry) into the
-    archive and write the manifest (``sources``: :func:`sources_sha256` of the sources they were built from), both
-    byte for byte the same for the same entries."""
+    archive and write the manifest (``sources``: :func:`sources_sha256` of the sources they were built from;
+    ``defaults``: each ``module.kernel``'s param defaults), both byte for byte the same for the same entries."""
     variants = sorted(variants, key=lambda v: (v["module"], v["kernel"], json.dumps(v["params"], sort_keys=True)))
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -177,6 +178,6 @@ def write(variants: list[dict], tilelang_version: str, target: dict, sources: st
     listed = [{k: v[k] for k in ("module", "kernel", "params", "key")} for v in variants]
     with open(_manifest_path(), "w") as f:
         json.dump({"tilelang": tilelang_version, "target": target, "sources_sha256": sources,
-                   "archive_sha256": hashlib.sha256(archive).hexdigest(), "variants": listed},
+                   "archive_sha256": hashlib.sha256(archive).hexdigest(), "defaults": defaults, "variants": listed},
                   f, indent=1, sort_keys=True)
         f.write("\n")
