@@ -198,6 +198,7 @@ def compiled(factory):
             return kernel if kernel is not None else _jit(name, params, prim, key, why)
 
     build.factory = factory
+
     def key(**params):
         params = full_params(factory, params)
         return variant_key(name, params, factory(**params))
