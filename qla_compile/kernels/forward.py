@@ -333,13 +333,14 @@ def _block_dv(n_ctas, dv):
     return dv if n_ctas >= _FULL_DV_MIN_CTAS else dv // 2
 
 
-def _state_kernel(dk, dv, dtype, has_h0, n_ctas, **ws):
+def _state_kernel(dk, dv, dtype, has_h0, n_ctas, pdl=False):
     """The forward's chunk recurrence for ``n_ctas`` (sequence or piece, v-head) pairs:
-    ``split_state_recurrence.chunk_fwd_split`` over all of V, else ``chunk_recurrence.chunk_fwd_ws`` (its other
-    params ``ws``) over half of it (:func:`_block_dv`); the same call and outputs."""
+    ``split_state_recurrence.chunk_fwd_split`` over all of V, else ``chunk_recurrence.chunk_fwd_ws`` over half of it
+    (:func:`_block_dv`; ``pdl``: launched right after ``kkt_inverse``, the split-state one always may be); the same
+    call and outputs."""
     if _block_dv(n_ctas, dv) == dv:
         return split_state_recurrence.chunk_fwd_split(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0)
-    return chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=dv // 2, **ws)
+    return chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=dv // 2, pdl=pdl)
 
 
 def _cp_cache_views(cache, n_p, h_v, dk, dv):
