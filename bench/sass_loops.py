@@ -19,6 +19,7 @@ branches of the body); FlashInfer's hold one.
 import argparse
 import collections
 import glob
+import heapq
 import os
 import re
 import shutil
@@ -43,7 +44,9 @@ def disassemble(cubin, nvdisasm):
     for line in out.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;", line)
         if m:
-            code.append((int(m.group(1), 16), re.sub(r"^@!?U?P\w+\s+", "", m.group(2))))
+            text = m.group(2)
+            bare = re.sub(r"^@!?U?P\w+\s+", "", text)
+            code.append((int(m.group(1), 16), bare, bare != text))
         elif re.match(r"^\.L_x_\d+:", line):
             labels[line.split(":")[0]] = len(code)
     return code, labels
@@ -53,18 +56,46 @@ def loops(code, labels, min_len):
     """``(start, end)`` indices of the backward branches' bodies of at least ``min_len`` instructions (branches after
     the last EXIT are the return jumps of out-of-line stubs, not loops)."""
     found = set()
-    last_exit = max(i for i, (_, text) in enumerate(code) if text.startswith("EXIT"))
-    for i, (_, text) in enumerate(code[:last_exit]):
+    last_exit = max(i for i, (_, text, _) in enumerate(code) if text.startswith("EXIT"))
+    for i, (_, text, _) in enumerate(code[:last_exit]):
         m = re.match(r"BRA\s+`\((\.L_x_\d+)\)", text)
-        retry = any("SYNCS.PHASECHK" in t for _, t in code[max(0, i - 3):i])
+        retry = any("SYNCS.PHASECHK" in t for _, t, _ in code[max(0, i - 3):i])
         if m and labels.get(m.group(1), i + 1) <= i and not retry and i - labels[m.group(1)] + 1 >= min_len:
             found.add((labels[m.group(1)], i))
     return sorted(found)
 
 
+def shortest_path(code, labels, s, e):
+    """Instructions on the shortest path from the loop head ``s`` to its back edge ``e``: one iteration as executed
+    where the body's branches are alternatives (per-stage arms, a full chunk's store against a partial one's)."""
+    def successors(i):
+        text = code[i][1]
+        m = re.match(r"BRA(?:\.\w+)?\s+(?:\w+,\s*)?`\((\.L_x_\d+)\)", text)
+        out = []
+        if m and labels.get(m.group(1)) is not None and s <= labels[m.group(1)] <= e:
+            out.append(labels[m.group(1)])
+        conditional = code[i][2]
+        if not (text.startswith("EXIT") or (m and not conditional)) and i + 1 <= e:
+            out.append(i + 1)
+        return out
+
+    dist, heap = {s: 1}, [(1, s)]
+    while heap:
+        d, i = heapq.heappop(heap)
+        if i == e:
+            return d
+        if d > dist.get(i, 1 << 30):
+            continue
+        for j in successors(i):
+            if d + 1 < dist.get(j, 1 << 30):
+                dist[j] = d + 1
+                heapq.heappush(heap, (d + 1, j))
+    return None
+
+
 def mix(body):
     counts = collections.Counter()
-    for _, text in body:
+    for _, text, _ in body:
         op = text.split()[0]
         counts[next((name for name, rx in CLASSES if re.match(rx, op)), "other")] += 1
     return counts
@@ -74,11 +105,12 @@ def report(name, cubin, nvdisasm, min_len):
     code, labels = disassemble(cubin, nvdisasm)
     cols = [c for c, _ in CLASSES] + ["other"]
     print(f"\n{name} ({len(code)} instructions)\n")
-    print("| loop | instructions | " + " | ".join(cols) + " |")
-    print("|---|---|" + "---|" * len(cols))
+    print("| loop | instructions | one iteration | " + " | ".join(cols) + " |")
+    print("|---|---|---|" + "---|" * len(cols))
     for s, e in loops(code, labels, min_len):
         c = mix(code[s:e + 1])
-        print(f"| {code[s][0]:#x}-{code[e][0]:#x} | {e - s + 1} | " + " | ".join(str(c[k]) for k in cols) + " |")
+        print(f"| {code[s][0]:#x}-{code[e][0]:#x} | {e - s + 1} | {shortest_path(code, labels, s, e)} | "
+              + " | ".join(str(c[k]) for k in cols) + " |")
 
 
 def ours():
