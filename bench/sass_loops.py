@@ -12,13 +12,12 @@ on CPU tensors (nothing runs; ``DIR`` holds flashinfer-python and nvidia-cutlass
 Needs ``nvdisasm`` (``--nvdisasm``, default: on PATH).
 
 A loop is a backward branch before the kernel's last EXIT (after it sit out-of-line stubs that jump back) that is not
-an mbarrier wait's retry; loops shorter than ``--min`` instructions are left out. Our kernel's loops hold two chunks (its two ring stages are two
-branches of the body); FlashInfer's hold one.
+an mbarrier wait's retry; loops shorter than ``--min`` instructions are left out. "One iteration" is the shortest path
+from a loop's head to its back edge: our loop bodies hold an arm per ring stage, of which one runs per chunk.
 """
 
 import argparse
 import collections
-import glob
 import heapq
 import os
 import re
