@@ -100,17 +100,93 @@ def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV, reve
     Call as ``kernel(ht, mt, skip, seq_pieces, h0, h0p)``: ``ht`` = E and ``mt`` = M per piece (fp32, as
     written by the transition kernel; M is read only where ``skip < 0``, elsewhere it counts as 0),
     ``seq_pieces`` the first piece of each sequence, ``h0`` the sequences' initial states.
-    One CTA per (sequence, v-head, ``block_dv`` columns) walks that sequence's pieces.
+    One CTA per (sequence, v-head, ``block_dv`` columns) walks that sequence's pieces. Only the state's product
+    with M is on the walk's chain: E and M of the next piece are TMA-loaded into a two-stage ring while this
+    piece's product runs, and each piece's ``skip`` two pieces ahead.
 
     With ``reverse`` (the backward) it walks each sequence's pieces from the last:
     ``h0p[p - 1] = M[p]^T h0p[p] + E[p]``, ``h0`` the gradients of the sequences' final states and E the
-    state gradient each piece passes back from a zero one; ``h0p[p]`` is the gradient entering piece p.
+    state gradient each piece passes back from a zero one; ``h0p[p]`` is the gradient entering piece p. (M^T is
+    transposed on its way to shared memory, so it is not loaded by TMA ahead of its step.)
     """
     n_p = T.dynamic("n_p")
     n_seq1 = T.dynamic("n_seq1")
     n_h0 = T.dynamic("n_h0")
     h_v = T.dynamic("h_v")
     BS, acc = block_dv, "float32"
+
+    @T.macro
+    def times_m(m_s, st_s, e, s_f):
+        """S <- M S + E, M in ``m_s`` (K-major), E a region of ``ht`` or a shared tile."""
+        for a, b in T.Parallel(dk, BS):
+            st_s[b, a] = s_f[a, b]
+        T.copy(e, s_f)
+        T.gemm(m_s, st_s, s_f, transpose_B=True)
+
+    @T.macro
+    def walk_back(ht, mt, skip, h0p, hv, c0, p0, p1, s_f):
+        """The reverse walk: M^T is transposed on its way to shared memory, each piece's after the last one's."""
+        m_s = T.alloc_shared((dk, dk), acc)
+        st_s = T.alloc_shared((BS, dk), acc)  # S^T: the TF32 product wants both operands K-major
+        for j in T.serial(p1 - p0):
+            p = p1 - 1 - j  # this piece; the one before takes from it
+            T.copy(s_f, h0p[p, hv, :, c0 : c0 + BS])
+            if p > p0:
+                if skip[p, hv] < 0:
+                    for a, b in T.Parallel(dk, dk):  # M^T, K-major
+                        m_s[b, a] = mt[p, hv, a, b]
+                    times_m(m_s, st_s, ht[p, hv, :, c0 : c0 + BS], s_f)
+                else:
+                    T.copy(ht[p, hv, :, c0 : c0 + BS], s_f)
+
+    @T.macro
+    def load(ht, mt, p, hv, c0, with_m, e_s, m_s, ready, st):
+        """E's columns and (``with_m``) M of piece ``p`` into stage ``st`` of the ring."""
+        T.tma_copy(ht[p, hv, :, c0 : c0 + BS], e_s, barrier=ready[st])
+        if with_m:
+            T.tma_copy(mt[p, hv, :, :], m_s, barrier=ready[st])
+        T.barrier_arrive(ready[st])
+
+    @T.macro
+    def walk_forward(ht, mt, skip, h0p, hv, c0, p0, p1, s_f):
+        """The forward walk: E and M of the next piece load into a two-stage ring during this piece's product."""
+        m_s = [T.alloc_shared((dk, dk), acc) for _ in range(2)]
+        e_s = [T.alloc_shared((dk, BS), acc) for _ in range(2)]
+        st_s = T.alloc_shared((BS, dk), acc)
+        ready = T.alloc_barrier([128, 128])
+        n = p1 - p0 - 1  # pieces that pass their state on
+        sk = T.alloc_var("int32", init=-1)  # skip of this piece and of the next (loaded a piece ahead)
+        sk_next = T.alloc_var("int32", init=-1)
+        if n > 0:
+            sk = skip[p0, hv]
+            load(ht, mt, p0, hv, c0, sk < 0, e_s[0], m_s[0], ready, 0)
+        if n > 1:
+            sk_next = skip[p0 + 1, hv]
+        for j in T.serial(n):
+            p = p0 + j
+            st = j % 2
+            T.sync_threads()  # the previous piece is done with the stage the next one loads into
+            if j + 1 < n:
+                if st == 0:
+                    load(ht, mt, p + 1, hv, c0, sk_next < 0, e_s[1], m_s[1], ready, 1)
+                else:
+                    load(ht, mt, p + 1, hv, c0, sk_next < 0, e_s[0], m_s[0], ready, 0)
+            T.copy(s_f, h0p[p, hv, :, c0 : c0 + BS])
+            T.barrier_wait(ready[st], (j // 2) % 2)
+            if st == 0:
+                if sk < 0:
+                    times_m(m_s[0], st_s, e_s[0], s_f)
+                else:
+                    T.copy(e_s[0], s_f)
+            else:
+                if sk < 0:
+                    times_m(m_s[1], st_s, e_s[1], s_f)
+                else:
+                    T.copy(e_s[1], s_f)
+            sk = sk_next
+            if j + 2 < n:
+                sk_next = skip[p + 2, hv]
+        T.copy(s_f, h0p[p0 + T.max(n, 0), hv, :, c0 : c0 + BS])
 
     @T.prim_func
     def kernel(
@@ -122,33 +198,16 @@ def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV, reve
         h0p: T.Tensor((n_p, h_v, dk, dv), acc),
     ):
         with T.Kernel(n_seq1 - 1, h_v, dv // BS, threads=128) as (seq, hv, bs):
-            m_s = T.alloc_shared((dk, dk), acc)
-            st_s = T.alloc_shared((BS, dk), acc)  # S^T: the TF32 product wants both operands K-major
             s_f = T.alloc_fragment((dk, BS), acc)
             c0 = bs * BS
             if has_h0:
                 T.copy(h0[seq, hv, :, c0 : c0 + BS], s_f)
             else:
                 T.clear(s_f)
-            p0 = seq_pieces[seq]
-            p1 = seq_pieces[seq + 1]
-            for j in T.serial(p1 - p0):
-                p = p1 - 1 - j if reverse else p0 + j  # this piece; the next one takes from it
-                more = p > p0 if reverse else p + 1 < p1
-                T.copy(s_f, h0p[p, hv, :, c0 : c0 + BS])
-                if more:
-                    if skip[p, hv] < 0:
-                        if reverse:  # M^T, K-major
-                            for a, b in T.Parallel(dk, dk):
-                                m_s[b, a] = mt[p, hv, a, b]
-                        else:
-                            T.copy(mt[p, hv, :, :], m_s)
-                        for a, b in T.Parallel(dk, BS):
-                            st_s[b, a] = s_f[a, b]
-                        T.copy(ht[p, hv, :, c0 : c0 + BS], s_f)
-                        T.gemm(m_s, st_s, s_f, transpose_B=True)
-                    else:
-                        T.copy(ht[p, hv, :, c0 : c0 + BS], s_f)
+            if reverse:
+                walk_back(ht, mt, skip, h0p, hv, c0, seq_pieces[seq], seq_pieces[seq + 1], s_f)
+            else:
+                walk_forward(ht, mt, skip, h0p, hv, c0, seq_pieces[seq], seq_pieces[seq + 1], s_f)
 
     return kernel
 
