@@ -43,10 +43,27 @@ _routes: dict[str, tuple[types.FunctionType, object]] = {}  # route key -> (the 
 
 
 def _unwrap_chain(fn):
-    """``fn`` and each function reachable from it through ``__wrapped__``."""
+    """``fn`` and each function reachable from it through ``__wrapped__``. A module that Hugging Face's ``kernels``
+    package made of a function (transformers' hub decorators do, when ``kernels`` is installed) stands for the
+    function its ``forward`` calls (:func:`_hub_function`)."""
     while fn is not None:
+        if isinstance(fn, torch.nn.Module):
+            fn = _hub_function(fn)
+            continue
         yield fn
         fn = getattr(fn, "__wrapped__", None)
+
+
+def _hub_function(module):
+    """The function that a ``kernels`` function module (``use_kernel_forward_from_hub`` applied to a function: an
+    ``nn.Module`` whose ``forward`` calls it, captured in its closure) calls, or None for any other module."""
+    cells = getattr(type(module).forward, "__closure__", None) or ()
+    functions = [c.cell_contents for c in cells if inspect.isfunction(c.cell_contents)]
+    if type(module).__qualname__.endswith("<locals>.Func") and len(functions) == 1:
+        return functions[0]
+    log.warning("qla_compile: %s.%s is a module, not a function; its eager GDN is not replaced",
+                type(module).__module__, type(module).__qualname__)
+    return None
 
 
 def register_substitutions(import_all: bool = False) -> list[str]:
