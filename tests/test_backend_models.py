@@ -94,7 +94,8 @@ def test_qwen3_5_matches_eager(front_door, monkeypatch):
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
     if not front_door:
-        fn = frontdoor.eager_body(m.torch_chunk_gated_delta_rule.__wrapped__)  # its own code, not the trampoline
+        # its own code, not the trampoline
+        fn = frontdoor.eager_body(list(frontdoor.unwrap_chain(m.torch_chunk_gated_delta_rule))[-1])
         copy = types.FunctionType(fn.__code__, fn.__globals__, "copied", fn.__defaults__, fn.__closure__)
         monkeypatch.setattr(m, "torch_chunk_gated_delta_rule", copy)
     model = tiny_qwen3_5()  # modeling_qwen3_5 imported after qla_compile: registered as dynamo starts compiling

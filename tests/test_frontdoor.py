@@ -1,4 +1,6 @@
 """Front door: the known eager GDN functions trace as one qla op, found at run time, registered idempotently."""
+import functools
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -16,7 +18,29 @@ def test_discovers_every_transformers_gdn_module_and_registers_once():
 
     for name in modules:
         fn = importlib.import_module(name).torch_chunk_gated_delta_rule
-        assert frontdoor.is_substituted(fn) and frontdoor.is_substituted(fn.__wrapped__)
+        assert frontdoor.is_substituted(fn)
+
+
+def test_a_kernels_hub_function_module_stands_for_its_function():
+    """transformers 5.25 with Hugging Face's ``kernels`` installed binds a model's GDN function to an ``nn.Module``
+    that ``kernels`` made of it (a local class ``Func`` whose ``forward`` calls the function): the front door goes
+    through it to the functions below."""
+
+    def gdn(x):
+        return x
+
+    def create_func_module(func):  # the shape of kernels' ``_create_func_module`` + ``use_kernel_forward_from_hub``
+        class Func(torch.nn.Module):
+            def forward(self, *args, **kwargs):
+                return func(*args, **kwargs)
+
+        return Func()
+
+    wrapper = functools.wraps(gdn)(lambda *a, **k: gdn(*a, **k))  # transformers' hub fallback wrapper
+    module = create_func_module(wrapper)
+    assert list(frontdoor.unwrap_chain(module)) == [wrapper, gdn]
+    assert list(frontdoor.unwrap_chain(module))[-1] is gdn
+    assert list(frontdoor.unwrap_chain(torch.nn.Linear(2, 2))) == []  # any other module stands for nothing
 
 
 def test_decorated_function_traces_one_op_for_every_length():
@@ -57,8 +81,8 @@ def _gdn_args(T):
 def test_eager_calls_run_the_original_body():
     """The front door leaves eager calls alone: the function's own body runs (no qla op), bit for bit."""
     fn = _transformers_fn()
-    body = frontdoor.eager_body(fn.__wrapped__)
-    assert body is not fn.__wrapped__  # the plain function's code was taken, its body kept
+    body = frontdoor.eager_body(list(frontdoor.unwrap_chain(fn))[-1])
+    assert body is not list(frontdoor.unwrap_chain(fn))[-1]  # the plain function's code was taken, its body kept
     args = _gdn_args(90)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         o, st = fn(*args, use_qk_l2norm_in_kernel=True, output_final_state=True)
@@ -91,7 +115,7 @@ def test_a_substitute_that_fails_to_trace_runs_our_op_not_the_unrolled_loop(monk
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     compiled = torch.compile(lambda *a: fn(*a, use_qk_l2norm_in_kernel=True, output_final_state=True),
                              backend=count_nodes)
-    body = frontdoor.eager_body(fn.__wrapped__)
+    body = frontdoor.eager_body(list(frontdoor.unwrap_chain(fn))[-1])
     for T in (70, 130, 300):
         args = _gdn_args(T)
         with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -42,7 +42,7 @@ def _check(fn, kw, output_final_state, dynamic=False):
 def test_transformers_current_form_is_fused(HV, l2norm, initial_state, final):
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-    fn = _copy(torch_chunk_gated_delta_rule.__wrapped__)
+    fn = _copy(list(frontdoor.unwrap_chain(torch_chunk_gated_delta_rule))[-1])
     kw = make_inputs(T=40, H=2, HV=HV, K=16, V=16, l2norm=l2norm, initial_state=initial_state, seed=0)
     report = _check(fn, kw, final, dynamic=True)
     assert f"l2norm={l2norm}" in report.regions[0].reason
@@ -66,7 +66,7 @@ def test_transformers_recurrent_form_is_fused():
     """transformers' token-by-token recurrence (its decode path, here over 16 tokens): GVA, L2 norm, states."""
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
 
-    fn = _copy(torch_recurrent_gated_delta_rule.__wrapped__)
+    fn = _copy(list(frontdoor.unwrap_chain(torch_recurrent_gated_delta_rule))[-1])
     kw = make_inputs(T=16, H=2, HV=4, K=16, V=16, l2norm=True, initial_state=True, seed=3)
     report = _check(fn, kw, True)
     assert "l2norm=True" in report.regions[0].reason and "final state" in report.regions[0].reason

@@ -42,7 +42,7 @@ _registered: dict[int, tuple[object, str]] = {}  # id(original) -> (original kep
 _routes: dict[str, tuple[types.FunctionType, object]] = {}  # route key -> (the original's own body, substitute)
 
 
-def _unwrap_chain(fn):
+def unwrap_chain(fn):
     """``fn`` and each function reachable from it through ``__wrapped__``. A module that Hugging Face's ``kernels``
     package made of a function (transformers' hub decorators do, when ``kernels`` is installed) stands for the
     function its ``forward`` calls (:func:`_hub_function`)."""
@@ -100,7 +100,7 @@ def _register_known(import_all: bool) -> list[str]:
             log.debug("qla_compile: skipping %s: %s", known.module, exc)
             continue
         original = getattr(module, known.attribute, None)
-        for fn in _unwrap_chain(original):
+        for fn in unwrap_chain(original):
             if id(fn) in _registered:
                 continue
             name = f"{known.module}.{known.attribute}"
@@ -201,4 +201,6 @@ def registered() -> list[str]:
 
 
 def is_substituted(fn) -> bool:
-    return id(fn) in _registered
+    """Whether ``fn`` and every function below it (:func:`unwrap_chain`) trace as our op."""
+    chain = list(unwrap_chain(fn))
+    return bool(chain) and all(id(f) in _registered for f in chain)
