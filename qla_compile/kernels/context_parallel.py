@@ -125,7 +125,7 @@ def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV, reve
 
     @T.macro
     def walk_back(ht, mt, skip, h0p, hv, c0, p0, p1, s_f):
-        """The reverse walk: M^T is transposed on its way to shared memory, each piece's after the last one's."""
+        """The reverse walk, from the last piece: each M^T is read (transposed into shared memory) at its own step."""
         m_s = T.alloc_shared((dk, dk), acc)
         st_s = T.alloc_shared((BS, dk), acc)  # S^T: the TF32 product wants both operands K-major
         for j in T.serial(p1 - p0):

@@ -40,6 +40,7 @@ _lock = threading.Lock()
 _registering = threading.local()  # .active: this thread is inside register_substitutions
 _registered: dict[int, tuple[object, str]] = {}  # id(original) -> (original kept alive, "module.attribute")
 _routes: dict[str, tuple[types.FunctionType, object]] = {}  # route key -> (the original's own body, substitute)
+_unknown_modules: set[type] = set()  # module classes found where a GDN function was expected (logged once)
 
 
 def unwrap_chain(fn):
@@ -61,8 +62,10 @@ def _hub_function(module):
     functions = [c.cell_contents for c in cells if inspect.isfunction(c.cell_contents)]
     if type(module).__qualname__.endswith("<locals>.Func") and len(functions) == 1:
         return functions[0]
-    log.warning("qla_compile: %s.%s is a module, not a function; its eager GDN is not replaced",
-                type(module).__module__, type(module).__qualname__)
+    if type(module) not in _unknown_modules:  # said once per module class, however often registration runs
+        _unknown_modules.add(type(module))
+        log.warning("qla_compile: %s.%s is a module, not a function; its eager GDN is not replaced",
+                    type(module).__module__, type(module).__qualname__)
     return None
 
 
