@@ -24,6 +24,7 @@ VARIANTS = [
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="bfloat16", has_h0=False, block_dv=64, transition=True)),
     ("chunk_fwd_split", dict(dk=128, dv=128, dtype="bfloat16", has_h0=True)),
     ("scan", dict(dk=128, dv=128, has_h0=True)),
+    ("transitions", dict(dk=128, dv=128, dtype="bfloat16")),
     ("warmup_plan", dict()),
     ("seq_tables", dict(cu_dtype="int64")),
 ]
@@ -41,13 +42,14 @@ def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
     from qla_compile.kernels import chunk_recurrence, context_parallel, kkt_inverse, seq_tables, split_state_recurrence
 
     module = {"chunk_fwd_ws": chunk_recurrence, "scan": context_parallel, "warmup_plan": context_parallel,
+              "transitions": context_parallel,
               "seq_tables": seq_tables, "chunk_fwd_split": split_state_recurrence}.get(name, kkt_inverse)
     kernel = getattr(module, name).__wrapped__(**params)  # uncached: a real build
     source = kernel.get_kernel_source()
     # the GEMMs went to Hopper's warpgroup MMA (the scan's small FP32 product: TF32 mma.sync)
     if name not in ("seq_tables", "warmup_plan"):
         assert ("mma_sync" if name == "scan" else "wgmma") in source
-    if name in ("chunk_fwd_ws", "chunk_fwd_split"):
+    if name in ("chunk_fwd_ws", "chunk_fwd_split", "transitions"):
         assert "tma_load" in source  # inputs stream through the bulk tensor copy engine
     if name == "chunk_fwd_split":
         # V^T in and O^T out as 8x8 matrices (ldmatrix/stmatrix .trans), not element by element

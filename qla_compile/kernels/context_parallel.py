@@ -20,9 +20,12 @@ that a CUDA-graph capture can reuse the plan of an earlier uncaptured call.
 """
 
 import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
 
 from ._build import compiled
+from .chunk_recurrence import _PTX, _exp
 from .chunking import CHUNK
+from .split_state_recurrence import _acc
 
 # log of the state decay over a warm-up window that lets the piece's transition M be dropped
 _WARMUP_LOG_DECAY = -10.0
@@ -212,7 +215,227 @@ def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV, reve
     return kernel
 
 
+
+# setmaxnreg per warpgroup of ``transitions`` (aux, state 0, state 1, producer): sums to 512 = 65536 registers / 128.
+_TRANSITION_NREG = (112, 184, 192, 24)
+
+
+@compiled
+def transitions(*, dk: int, dv: int, dtype: str):
+    """The affine map ``S_end = M S_start + E`` of every (piece, v-head), by the gate-free form of the chunk map.
+
+    Call as ``kernel(k, v, tt, gb, cu_seqlens, chunk_offsets, order, skip, ht, mt)``: the pieces' token bounds,
+    first chunk slots and launch order (``forward._Pieces``), ``skip`` from :func:`warmup_plan`; writes E to ``ht``
+    (fp32 ``[P, H_v, K, V]``) and, where ``skip < 0``, M to ``mt`` (fp32 ``[P, H_v, K, K]``). ``skip >= 0`` runs
+    only the piece's chunks from ``skip`` on, from a zero state, and forms no M. The same outputs as
+    ``chunk_recurrence.chunk_fwd_ws(transition=True)``.
+
+    Per chunk, with X = K^T T~ diag(beta) (``kkt_inverse``'s T~: the gates drop out of it, design doc 1.3),
+
+        E <- e^{gamma_C} E + X (r o V - e^{gamma_C} K E),    M <- e^{gamma_C} M - X (e^{gamma_C} K M)
+
+    (M is the same walk from the identity with V = 0). Two CTAs per (piece, v-head), one for E and one for M (it
+    exits at once where ``skip >= 0``), each with the split-state layout of ``split_state_recurrence``: state
+    warpgroup w holds rows [64 w, 64 w + 64) of S^T in fp32 registers (as two 64-column halves of d) and per chunk
+    runs Y^T = r_b V^T - e^{gamma_C} S^T K^T (an m64n64 chain over d) and S^T <- e^{gamma_C} S^T + Y^T X^T. The aux
+    warpgroup forms X^T = diag(beta) T~^T K (fp16, ``stmatrix``) a stage ahead; the producer warpgroup TMA-loads K,
+    V, T~ and [gamma; beta] into a two-stage ring. Precision: S^T in the input dtype for the product with K; Y^T and
+    X^T in fp16 (K converted to fp16 for X^T); fp32 accumulators, state and gate tables.
+    """
+    n_tok = T.dynamic("n_tok")
+    n_chunk = T.dynamic("n_chunk")
+    n_p1 = T.dynamic("n_p1")
+    h_qk = T.dynamic("h_qk")
+    h_v = T.dynamic("h_v")
+    C, HW, DH = CHUNK, dv // 2, dk // 2
+    acc, half = "float32", "float16"
+    assert dk == dv, "M and E share the state warpgroups' layout"
+
+    @T.macro
+    def x_half(k_h, tt_s, kh, x_f):
+        """T~^T K for one half of d (K converted to fp16 first, unless it is fp16)."""
+        if dtype == half:
+            T.wgmma_gemm(tt_s, k_h, x_f, transpose_A=True, clear_accum=True)
+        else:
+            for r, d in T.Parallel(C, DH):
+                kh[r, d] = T.cast(k_h[r, d], half)
+            T.fence_proxy_async()
+            T.wgmma_gemm(tt_s, kh, x_f, transpose_A=True, clear_accum=True)
+
+    @T.macro
+    def x_stage(kt_st, tt_s, kh, x_f, x_h, gb_s, st, xb_st):
+        """X^T = diag(beta) T~^T K of one stage into ``xb_st`` (fp16)."""
+        x_half(kt_st[0], tt_s, kh[0], x_f[0])
+        x_half(kt_st[1], tt_s, kh[1], x_f[1])
+        T.wait_wgmma(0)
+        for a, d in T.Parallel(C, DH):
+            x_h[0][a, d] = T.cast(x_f[0][a, d] * gb_s[st, 1, a], half)
+            x_h[1][a, d] = T.cast(x_f[1][a, d] * gb_s[st, 1, a], half)
+        T.copy(x_h[0], xb_st[0])
+        T.copy(x_h[1], xb_st[1])
+
+    @T.macro
+    def load_halves(x, tiles, start, head, full, st):
+        """Rows [start, start + C) of head ``head`` of ``x`` as two 64-column tiles (TMA)."""
+        T.tma_copy(x[start : start + C, head, 0:DH], tiles[0], barrier=full[st])
+        T.tma_copy(x[start : start + C, head, DH : 2 * DH], tiles[1], barrier=full[st])
+
+    @T.macro
+    def state_half(w, is_m, kt, vb, xb, gb_s, r_s, full, empty, x_ready, ht, mt, p, hv, n_run):
+        """State warpgroup ``w``: rows [w HW, (w + 1) HW) of S^T (E^T, or M^T from the identity)."""
+        T.set_max_nreg(_TRANSITION_NREG[1 + w], 1)
+        s_lo = T.alloc_fragment((HW, DH), acc)  # S^T[a, d], d in [0, DH)
+        s_hi = T.alloc_fragment((HW, DH), acc)  # d in [DH, dk)
+        a_lo = T.alloc_fragment((HW, DH), dtype)
+        a_hi = T.alloc_fragment((HW, DH), dtype)
+        u_f = T.alloc_fragment((HW, C), acc)
+        y_h = T.alloc_fragment((HW, C), half)
+        vt = T.alloc_fragment((C, HW), dtype)
+        T.annotate_layout({vt: _acc(HW, C, transposed=True)})
+        decay = T.alloc_var(acc)
+        for a, d in T.Parallel(HW, DH):
+            s_lo[a, d] = T.cast(is_m & (d == w * HW + a), acc)
+            s_hi[a, d] = T.cast(is_m & (DH + d == w * HW + a), acc)
+        for j in T.serial(n_run):
+            st = j % 2
+            ph = (j // 2) % 2
+            T.barrier_wait(full[st], ph)
+            for a, d in T.Parallel(HW, DH):
+                a_lo[a, d] = T.cast(s_lo[a, d], dtype)
+                a_hi[a, d] = T.cast(s_hi[a, d], dtype)
+            if st == 0:
+                T.wgmma_gemm(a_lo, kt[0][0], u_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(a_hi, kt[0][1], u_f, transpose_B=True)
+                T.copy(vb[0], vt)
+            else:
+                T.wgmma_gemm(a_lo, kt[1][0], u_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(a_hi, kt[1][1], u_f, transpose_B=True)
+                T.copy(vb[1], vt)
+            decay = _exp(gb_s[st, 0, C - 1])
+            T.barrier_wait(x_ready[st], ph)  # r_b too
+            T.wait_wgmma(0)
+            for a, b in T.Parallel(HW, C):
+                y_h[a, b] = T.cast(T.if_then_else(is_m, T.float32(0), T.cast(vt[b, a], acc) * r_s[st, b])
+                                   - decay * u_f[a, b], half)
+            for a, d in T.Parallel(HW, DH):
+                s_lo[a, d] = s_lo[a, d] * decay
+                s_hi[a, d] = s_hi[a, d] * decay
+            if st == 0:
+                T.wgmma_gemm(y_h, xb[0][0], s_lo)
+                T.wgmma_gemm(y_h, xb[0][1], s_hi)
+            else:
+                T.wgmma_gemm(y_h, xb[1][0], s_lo)
+                T.wgmma_gemm(y_h, xb[1][1], s_hi)
+            T.wait_wgmma(0)
+            T.barrier_arrive(empty[st])
+        if is_m:  # M's columns, only where it was formed
+            if n_run > 0:
+                for a, d in T.Parallel(HW, DH):
+                    mt[p, hv, d, w * HW + a] = s_lo[a, d]
+                    mt[p, hv, DH + d, w * HW + a] = s_hi[a, d]
+        else:
+            for a, d in T.Parallel(HW, DH):
+                ht[p, hv, d, w * HW + a] = s_lo[a, d]
+                ht[p, hv, DH + d, w * HW + a] = s_hi[a, d]
+
+    @T.prim_func
+    def kernel(
+        k: T.Tensor((n_tok, h_qk, dk), dtype),
+        v: T.Tensor((n_tok, h_v, dv), dtype),
+        tt: T.Tensor((n_chunk, h_v, C, C), half),
+        gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+        cu_seqlens: T.Tensor((n_p1,), "int32"),
+        chunk_offsets: T.Tensor((n_p1,), "int32"),
+        order: T.Tensor((n_p1 - 1,), "int32"),
+        skip: T.Tensor((n_p1 - 1, h_v), "int32"),
+        ht: T.Tensor((n_p1 - 1, h_v, dk, dv), acc),
+        mt: T.Tensor((n_p1 - 1, h_v, dk, dk), acc),
+    ):
+        # E and M of a pair side by side, the piece slowest: CTAs start in ``order``
+        with T.Kernel(2, h_v, n_p1 - 1, threads=512) as (sl, hv, rank):
+            T.import_source(_PTX)
+            kt = [[T.alloc_shared((C, DH), dtype) for _ in range(2)] for _ in range(2)]  # [stage][half of d] K
+            vb = [[T.alloc_shared((C, HW), dtype) for _ in range(2)] for _ in range(2)]  # [stage][half] V
+            ttb = [T.alloc_shared((C, C), half) for _ in range(2)]  # T~ per stage
+            gb_s = T.alloc_shared((2, 2, C), acc)  # [gamma; beta]
+            r_s = T.alloc_shared((2, C), acc)  # r_b, 0 past the piece's end
+            kh = [T.alloc_shared((C, DH), half) for _ in range(2)]  # K in fp16 (the aux's, one stage)
+            xb = [[T.alloc_shared((C, DH), half) for _ in range(2)] for _ in range(2)]  # [stage][half] X^T
+            T.annotate_layout({b: make_swizzled_layout(b) for b in vb[0] + vb[1] + ttb + kh + xb[0] + xb[1]})
+
+            full = T.alloc_barrier([96, 96])  # 3 producer warps + TMA bytes
+            empty = T.alloc_barrier([384, 384])  # every consumer thread
+            x_ready = T.alloc_barrier([128, 128])  # X^T and r of the stage
+
+            p = T.alloc_var("int32", init=order[rank])
+            is_m = sl == 1
+            hk = hv // (h_v // h_qk)
+            bos = cu_seqlens[p]
+            seqlen = cu_seqlens[p + 1] - bos
+            coff = chunk_offsets[p]
+            n_iter = T.ceildiv(seqlen, C)
+            sk = skip[p, hv]
+            # chunks [i0, n_iter) run; M's CTA only where skip < 0
+            i0 = T.alloc_var("int32", init=T.if_then_else(is_m & (sk >= 0), n_iter, T.min(T.max(sk, 0), n_iter)))
+            n_run = n_iter - i0
+            tx = T.get_thread_binding()
+
+            if tx < 128:  # WG0: the aux warpgroup, X^T = diag(beta) T~^T K and r
+                T.set_max_nreg(_TRANSITION_NREG[0], 0)
+                x_f = [T.alloc_fragment((C, DH), acc) for _ in range(2)]
+                x_h = [T.alloc_fragment((C, DH), half) for _ in range(2)]
+                for j in T.serial(n_run):
+                    st = j % 2
+                    length = T.min(seqlen - (i0 + j) * C, C)
+                    T.barrier_wait(full[st], (j // 2) % 2)
+                    for b in T.Parallel(C):
+                        r_s[st, b] = _exp(gb_s[st, 0, C - 1] - gb_s[st, 0, b]) * T.cast(b < length, acc)
+                    if st == 0:
+                        x_stage(kt[0], ttb[0], kh, x_f, x_h, gb_s, st, xb[0])
+                    else:
+                        x_stage(kt[1], ttb[1], kh, x_f, x_h, gb_s, st, xb[1])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(x_ready[st])
+                    T.barrier_arrive(empty[st])
+            elif tx < 256:
+                state_half(0, is_m, kt, [vb[0][0], vb[1][0]], xb, gb_s, r_s, full, empty, x_ready, ht, mt, p, hv,
+                           n_run)
+            elif tx < 384:
+                state_half(1, is_m, kt, [vb[0][1], vb[1][1]], xb, gb_s, r_s, full, empty, x_ready, ht, mt, p, hv,
+                           n_run)
+            else:  # WG3: producer warps
+                T.set_max_nreg(_TRANSITION_NREG[3], 0)
+                for j in T.serial(n_run):
+                    st = j % 2
+                    start = bos + (i0 + j) * C
+                    if tx < 416:
+                        T.barrier_wait(empty[st], (j // 2 + 1) % 2)
+                        if st == 0:
+                            load_halves(k, kt[0], start, hk, full, st)
+                        else:
+                            load_halves(k, kt[1], start, hk, full, st)
+                        T.barrier_arrive(full[st])
+                    elif tx < 448:
+                        T.barrier_wait(empty[st], (j // 2 + 1) % 2)
+                        if sl == 0:  # M's walk has V = 0
+                            if st == 0:
+                                load_halves(v, vb[0], start, hv, full, st)
+                            else:
+                                load_halves(v, vb[1], start, hv, full, st)
+                        T.barrier_arrive(full[st])
+                    elif tx < 480:
+                        T.barrier_wait(empty[st], (j // 2 + 1) % 2)
+                        if st == 0:
+                            T.tma_copy(tt[coff + i0 + j, hv, :, :], ttb[0], barrier=full[st])
+                        else:
+                            T.tma_copy(tt[coff + i0 + j, hv, :, :], ttb[1], barrier=full[st])
+                        T.tma_copy(gb[coff + i0 + j, hv, :, :], gb_s[st, :, :], barrier=full[st])
+                        T.barrier_arrive(full[st])
+
+    return kernel
+
 def variants():
-    """``(kernel name, params)`` of every scan variant (K = V = 128)."""
-    return [("scan", dict(dk=128, dv=128, has_h0=has_h0, reverse=reverse))
-            for has_h0 in (True, False) for reverse in (False, True)] + [("warmup_plan", {})]
+    """``(kernel name, params)`` of every scan and transition variant (K = V = 128)."""
+    return ([("scan", dict(dk=128, dv=128, has_h0=has_h0, reverse=reverse))
+             for has_h0 in (True, False) for reverse in (False, True)] + [("warmup_plan", {})]
+            + [("transitions", dict(dk=128, dv=128, dtype=dtype)) for dtype in ("bfloat16", "float16")])

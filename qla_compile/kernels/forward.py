@@ -394,13 +394,12 @@ def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
     final = pieces.final_bwd if backward else pieces.final_fwd
     context_parallel.warmup_plan()(gb, bad, pieces.offsets, final, skip)
     e = torch.empty(n_p, h_v, dk, dv, **f32)
-    bv = _block_dv(n_p * h_v, dv)
-    chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=False, block_dv=bv, transition=True)(
-        q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, skip, e, m)
+    context_parallel.transitions(dk=dk, dv=dv, dtype=dtype)(k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order,
+                                                           skip, e, m)
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else e[:1]
     context_parallel.scan(dk=dk, dv=dv, has_h0=has_h0, reverse=False)(e, m, skip, pieces.seq_pieces, h0, h0p)
-    return h0p, bv, skip, m, cache
+    return h0p, _block_dv(n_p * h_v, dv), skip, m, cache
 
 
 def _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, pieces, for_backward, cache=None):

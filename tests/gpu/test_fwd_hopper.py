@@ -113,6 +113,60 @@ def test_context_parallel_exact_transitions_for_long_keys():
     assert rel_err(ht, ref_ht) <= TOL, rel_err(ht, ref_ht)
 
 
+@pytest.mark.parametrize("long_keys", [False, True])
+def test_transitions_match_fp64(long_keys):
+    """``context_parallel.transitions``: E of every piece that passes its state on (from a zero state over its warm-up
+    window, or the whole piece) and M where formed, against the float64 recurrence run over the same tokens."""
+    kernels = _kernels()
+    from qla_compile.kernels import context_parallel
+
+    kw, args = _case(1, 1900, 2, 4, torch.bfloat16, [0, 1200, 1260, 1900], False, seed=5)
+    k = (kw["k"].float() * (1.5 if long_keys else 1.0)).to(torch.bfloat16)  # beta |k|^2 up to 2.25: M everywhere
+    g = kw["g"].clone()
+    g[..., 1] = 0  # a head that never decays: its M is always formed
+    k3, v3 = k[0].contiguous(), kw["v"][0].contiguous()
+    n_tok, h_v = v3.shape[0], v3.shape[1]
+    cu_in = kw["cu_seqlens"]
+    _, _, _, spans = kernels._tables(cu_in, 1, n_tok, k.device)
+    tables = kernels._chunk_tables(n_tok, cu_in.numel() - 1, h_v, k.device)
+    kernels._gate_inverse(k3, g, kw["beta"], spans, tables, "bfloat16")
+    tt, gb, bad = tables
+    lens = (cu_in[1:] - cu_in[:-1]).tolist()
+    pieces = kernels._piece_tables(lens, 4, k.device)  # 256-token pieces
+    n_p = pieces.order.numel()
+    skip = torch.empty(n_p, h_v, device="cuda", dtype=torch.int32)
+    context_parallel.warmup_plan()(gb, bad, pieces.offsets, pieces.final_fwd, skip)
+    e = torch.full((n_p, h_v, 128, 128), float("nan"), device="cuda")
+    m = torch.full_like(e, float("nan"))
+    context_parallel.transitions(dk=128, dv=128, dtype="bfloat16")(k3, v3, tt, gb, pieces.cu, pieces.offsets,
+                                                                    pieces.order, skip, e, m)
+    passing = skip[pieces.final_fwd == 0]  # the pieces that pass their state on
+    assert bool((passing < 0).any()) and (long_keys or bool((passing >= 0).any()))  # M formed; a warm-up window
+    eye = torch.eye(128, device="cuda", dtype=torch.float32).expand(1, h_v, 128, 128)
+    checked = 0
+    for p in range(n_p):
+        if pieces.final_fwd[p]:
+            continue
+        t0, t1 = int(pieces.cu[p]), int(pieces.cu[p + 1])
+        for h in range(h_v):
+            s = int(skip[p, h])
+            a = t0 + 64 * max(s, 0)
+            sl = slice(a, t1)
+            head = h // 2
+            ref = recurrent_gdr_reference(kw["q"][:, sl, head:head + 1], k[:, sl, head:head + 1],
+                                          v3[None, sl, h:h + 1], g[:, sl, h:h + 1], kw["beta"][:, sl, h:h + 1],
+                                          scale=1.0, output_final_state=True)[1]
+            assert rel_err(e[p, h], ref[0, 0]) <= TOL, (p, h, rel_err(e[p, h], ref[0, 0]))
+            if s < 0:
+                ref_m = recurrent_gdr_reference(kw["q"][:, sl, head:head + 1], k[:, sl, head:head + 1],
+                                                torch.zeros_like(v3[None, sl, h:h + 1]), g[:, sl, h:h + 1],
+                                                kw["beta"][:, sl, h:h + 1], scale=1.0,
+                                                initial_state=eye[:, :1], output_final_state=True)[1]
+                assert rel_err(m[p, h], ref_m[0, 0]) <= TOL, (p, h, rel_err(m[p, h], ref_m[0, 0]))
+            checked += 1
+    assert checked >= 8
+
+
 def test_context_parallel_under_capture():
     """A captured call reuses the plan of an uncaptured call with the same cu_seqlens, and runs unsplit
     for a cu_seqlens it has not seen (reading it would synchronise)."""
