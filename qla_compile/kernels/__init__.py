@@ -5,12 +5,13 @@ Kernels (TileLang, one compile per variant, see :mod:`._build`):
 * ``kkt_inverse`` -- per chunk, the gate cumsum and the gate-free inverse
   T~ = (I + strictly_lower(diag(beta) K K^T))^-1;
 * ``seq_tables`` -- the varlen tables: int32 ``cu_seqlens``, chunk offsets and launch order;
-* ``chunk_recurrence`` -- the warp-specialised chunk recurrence: o and the final state (also the context-parallel
-  transitions and the backward's chunk-state recompute);
+* ``chunk_recurrence`` -- the warp-specialised chunk recurrence: o and the final state (also the backward's
+  chunk-state recompute);
 * ``split_state_recurrence`` -- the forward's chunk recurrence over all of V with the state in registers, split over
   two warpgroups (what the forward takes when every (sequence, v-head) pair fills a CTA);
-* ``context_parallel`` -- intra-card context parallelism: the piece plan, the warm-up plan and the scan of the
-  pieces' initial states (or, in the backward, of their state gradients);
+* ``context_parallel`` -- intra-card context parallelism: the warm-up plan, the pieces' transitions (the affine
+  map of each piece's state recurrence) and the scan of their initial states (or, in the backward, of their state
+  gradients);
 * ``reverse_recurrence`` -- the backward's warp-specialised reverse recurrence of the state gradient dS;
 * ``chunk_grads`` -- the backward's per-chunk gradients dq, dk, dv, dg and dbeta.
 

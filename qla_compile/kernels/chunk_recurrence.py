@@ -13,8 +13,8 @@ gate cumsum come from ``kkt_inverse`` (notation and chunk numbering there). Per 
   (a partial last chunk is stored by rows, masked).
 * WG3 "producer": one warp TMA-loads q and k, one v, one T~ and [gamma; beta] into a two-stage ring.
 
-Two more modes share this body: ``transition`` (context parallelism, see ``context_parallel``) and ``store_h``
-(the backward's state recompute: no output; WG0 also writes S_i in fp16, which WG2 TMA-stores per chunk).
+One more mode shares this body: ``store_h`` (the backward's state recompute: no output; WG0 also writes S_i in
+fp16, which WG2 TMA-stores per chunk).
 
 The state chain per chunk is publish S -> K S -> W' -> A_g W' -> (r o K)^T V'; the rest runs beside it.
 Every gate factor is one SFU ex2 of a difference of per-row and per-column terms that each thread
@@ -72,21 +72,13 @@ def _gamma_times(gb_s, st, a, b, row_log2=0.0, col_log2=0.0):
 
 
 @compiled
-def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128, transition: bool = False,
-                 store_h: bool = False, trace: bool = False, pdl: bool = False):
+def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 128, store_h: bool = False,
+                 trace: bool = False, pdl: bool = False):
     """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0,
     scale, o, ht)``, ``order`` the sequences in launch order (``forward._tables``: longest first, so that the
     longest walks start first). ``ht_rows`` int32: the row of ``ht`` each walk's final state goes to (-1: none;
     context-parallel pieces, ``forward._Pieces.ht_row``), or the one entry 0 (``cu_seqlens[:1]``) for walk n to
     row n.
-
-    With ``transition`` (the context-parallel prologue, see ``context_parallel``) it computes no output but, per
-    (piece, v-head), the affine map of the piece's state recurrence, ``S_end = M S_start + E``:
-    ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, skip, ht, mt)`` writes E to ``ht`` and M to
-    ``mt``. ``skip[piece, hv]`` >= 0 is a warm-up window: only the piece's chunks from ``skip`` on are
-    run, from a zero state, and M is not formed (the caller has checked that the skipped chunks decay
-    the state by less than e^-10); ``skip`` < 0 runs the whole piece and also forms M, as the DV slices
-    past ``dv`` of an identity initial state with V = 0.
 
     With ``store_h`` (the backward's state recompute) it computes no output but stores every chunk's
     start state in fp16: ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, h0, h)`` with
@@ -101,9 +93,8 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     argument, int64 ``tr[TRACE_CTAS, 4, TRACE_CHUNKS, TRACE_EVENTS]``: the first thread of each warpgroup of the CTAs
     of v-heads 0..3 of the first walk (DV slice 0) writes the SM's clock at fixed points of each chunk (``mark``).
     """
-    assert not (transition and store_h)
-    assert not (trace and (transition or store_h))
-    assert not (pdl and (transition or store_h))
+    assert not (trace and store_h)
+    assert not (pdl and store_h)
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
@@ -114,8 +105,8 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
     h_v = T.dynamic("h_v")
     C, BV = CHUNK, block_dv
     acc, half = "float32", "float16"
-    n_slices = dv // BV + (dk // BV if transition else 0)
-    has_out = not (transition or store_h)
+    n_slices = dv // BV
+    has_out = not store_h
 
     if trace:
 
@@ -131,7 +122,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             """No timeline: nothing enters the kernel."""
 
     @T.macro
-    def body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, skip, scale, o, ht, mt, h, tr):
+    def body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, o, ht, h, tr):
         # the sequence is the slowest grid dimension: CTAs start in ``order``, every head of a sequence together
         with T.Kernel(h_v, n_slices, n_seq1 - 1, threads=512) as (hv, bv, rank):
             T.import_source(_PTX + (_CLOCK if trace else ""))
@@ -172,31 +163,19 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             n_iter = T.ceildiv(seqlen, C)
             tx = T.get_thread_binding()
 
-            # chunks [i0, n_iter) are run; M slices (transition only) run when skip < 0
-            i0 = 0
-            is_m = False
-            if transition:
-                is_m = bv >= dv // BV
-                i0 = T.if_then_else(is_m & (skip[seq, hv] >= 0), n_iter, T.min(T.max(skip[seq, hv], 0), n_iter))
-            n_run = n_iter - i0
-
             if tx < 128:  # WG0: the state
                 T.set_max_nreg(_NREG[0], 1)
                 s_f = T.alloc_fragment((dk, BV), acc)
                 decay = T.alloc_var(acc)
                 if pdl:
                     T.pdl_sync()
-                if transition:
-                    for a, b in T.Parallel(dk, BV):
-                        s_f[a, b] = T.cast(is_m & (a == v0 - dv + b), acc)
-                elif has_h0:
+                if has_h0:
                     T.copy(h0[seq, hv, :, v0 : v0 + BV], s_f)
                 else:
                     T.clear(s_f)
-                for j in T.serial(n_run):
-                    i = i0 + j
+                for j in T.serial(n_iter):
                     st = j % 2
-                    length = T.min(seqlen - i * C, C)
+                    length = T.min(seqlen - j * C, C)
                     mark(tr, hv, bv, rank, tx, 0, j, 0)
                     T.barrier_wait(s_free, (j + 1) % 2)
                     mark(tr, hv, bv, rank, tx, 0, j, 1)
@@ -225,12 +204,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     T.gemm(kh_s, vp_s, s_f, transpose_A=True)
                     mark(tr, hv, bv, rank, tx, 0, j, 6)
                     T.barrier_arrive(empty[st])
-                if is_m:  # M's columns, only where it was formed
-                    if n_run > 0:
-                        T.copy(s_f, mt[seq, hv, :, v0 - dv : v0 - dv + BV])
-                elif transition:
-                    T.copy(s_f, ht[seq, hv, :, v0 : v0 + BV])
-                elif has_out:
+                if has_out:
                     row = T.alloc_var("int32", init=T.if_then_else(n_rows == n_seq1 - 1, ht_rows[seq], seq))
                     if row >= 0:
                         T.copy(s_f, ht[row, hv, :, v0 : v0 + BV])
@@ -240,7 +214,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                 u_f = T.alloc_fragment((C, BV), acc)
                 a_f = T.alloc_fragment((C, C), acc)
                 e_f = T.alloc_fragment((C,), acc)
-                for j in T.serial(n_run):
+                for j in T.serial(n_iter):
                     st = j % 2
                     mark(tr, hv, bv, rank, tx, 1, j, 0)
                     T.barrier_wait(full[st], (j // 2) % 2)
@@ -258,12 +232,8 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                     T.gemm(k_s[st, :, :], s_s, u_f, clear_accum=True)
                     T.barrier_arrive(s_free)
                     mark(tr, hv, bv, rank, tx, 1, j, 4)
-                    if is_m:  # V = 0 for the columns of M
-                        for a, b in T.Parallel(C, BV):
-                            u_f[a, b] = -e_f[a] * u_f[a, b]
-                    else:
-                        for a, b in T.Parallel(C, BV):
-                            u_f[a, b] = T.cast(v_s[st, a, b], acc) - e_f[a] * u_f[a, b]
+                    for a, b in T.Parallel(C, BV):
+                        u_f[a, b] = T.cast(v_s[st, a, b], acc) - e_f[a] * u_f[a, b]
                     T.copy(u_f, w_s)
                     T.fence_proxy_async()
                     mark(tr, hv, bv, rank, tx, 1, j, 5)
@@ -280,12 +250,12 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             elif tx < 384:  # WG2: the output
                 T.set_max_nreg(_NREG[2], 1)
                 if not has_out:  # no output: the hand-off protocol, and the h stores
-                    for j in T.serial(n_run):
+                    for j in T.serial(n_iter):
                         T.barrier_wait(s_ready, j % 2)
                         T.barrier_arrive(s_free)
                         if store_h:
                             T.barrier_wait(h_ready, j % 2)
-                            T.copy(hs_s, h[coff + i0 + j, hv, :, v0 : v0 + BV])
+                            T.copy(hs_s, h[coff + j, hv, :, v0 : v0 + BV])
                             T.barrier_arrive(h_free)
                         T.barrier_wait(vp_ready, j % 2)
                         T.barrier_arrive(vp_free)
@@ -341,10 +311,9 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                 if pdl:
                     if (tx >= 448) & (tx < 480):  # the T~ warp (q, k, v may load before the previous kernel ends)
                         T.pdl_sync()
-                for j in T.serial(n_run):
-                    i = i0 + j
+                for j in T.serial(n_iter):
                     st = j % 2
-                    start = bos + i * C
+                    start = bos + j * C
                     if tx < 416:
                         mark(tr, hv, bv, rank, tx, 3, j, 0)
                         T.barrier_wait(empty[st], (j // 2 + 1) % 2)
@@ -355,34 +324,15 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
                         T.barrier_arrive(full[st])
                     elif tx < 448:
                         T.barrier_wait(empty[st], (j // 2 + 1) % 2)
-                        if not is_m:
-                            T.tma_copy(v[start : start + C, hv, v0 : v0 + BV], v_s[st, :, :], barrier=full[st])
+                        T.tma_copy(v[start : start + C, hv, v0 : v0 + BV], v_s[st, :, :], barrier=full[st])
                         T.barrier_arrive(full[st])
                     elif tx < 480:
                         T.barrier_wait(empty[st], (j // 2 + 1) % 2)
-                        T.tma_copy(tt[coff + i, hv, :, :], tt_s[st, :, :], barrier=full[st])
-                        T.tma_copy(gb[coff + i, hv, :, :], gb_s[st, :, :], barrier=full[st])
+                        T.tma_copy(tt[coff + j, hv, :, :], tt_s[st, :, :], barrier=full[st])
+                        T.tma_copy(gb[coff + j, hv, :, :], gb_s[st, :, :], barrier=full[st])
                         T.barrier_arrive(full[st])
 
-    if transition:
-
-        @T.prim_func
-        def kernel(
-            q: T.Tensor((n_tok, h_qk, dk), dtype),
-            k: T.Tensor((n_tok, h_qk, dk), dtype),
-            v: T.Tensor((n_tok, h_v, dv), dtype),
-            tt: T.Tensor((n_chunk, h_v, C, C), half),
-            gb: T.Tensor((n_chunk, h_v, 2, C), acc),
-            cu_seqlens: T.Tensor((n_seq1,), "int32"),
-            chunk_offsets: T.Tensor((n_seq1,), "int32"),
-            order: T.Tensor((n_seq1 - 1,), "int32"),
-            skip: T.Tensor((n_seq1 - 1, h_v), "int32"),
-            ht: T.Tensor((n_seq1 - 1, h_v, dk, dv), acc),
-            mt: T.Tensor((n_seq1 - 1, h_v, dk, dk), acc),
-        ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, None, None, skip, None, None, ht, mt, None, None)
-
-    elif store_h:
+    if store_h:
 
         @T.prim_func
         def kernel(
@@ -397,7 +347,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             h0: T.Tensor((n_h0, h_v, dk, dv), acc),
             h: T.Tensor((n_chunk, h_v, dk, dv), half),
         ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, None, h0, None, None, None, None, None, h, None)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, None, h0, None, None, None, h, None)
 
     elif trace:
 
@@ -418,7 +368,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             ht: T.Tensor((n_ht, h_v, dk, dv), acc),
             tr: T.Tensor((TRACE_CTAS, 4, TRACE_CHUNKS, TRACE_EVENTS), "int64"),
         ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, None, scale, o, ht, None, None, tr)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, o, ht, None, tr)
 
     else:
 
@@ -438,7 +388,7 @@ def chunk_fwd_ws(*, dk: int, dv: int, dtype: str, has_h0: bool, block_dv: int = 
             o: T.Tensor((n_tok, h_v, dv), dtype),
             ht: T.Tensor((n_ht, h_v, dk, dv), acc),
         ):
-            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, None, scale, o, ht, None, None, None)
+            body(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, o, ht, None, None)
 
     return kernel
 
@@ -451,14 +401,9 @@ def variants():
         for has_h0 in (True, False)
         for block_dv in (128, 64)
     ]
-    cp = [
-        dict(dk=128, dv=128, dtype=dtype, has_h0=False, block_dv=block_dv, transition=True)
-        for dtype in ("bfloat16", "float16")
-        for block_dv in (128, 64)
-    ]
     states = [dict(p, store_h=True) for p in full]
     # the output call right after kkt_inverse is a programmatic dependent launch, after the CP scan it is not (over
     # all of V the forward takes split_state_recurrence instead of either)
     after_kkt = [dict(p, pdl=True) for p in full if p["block_dv"] < p["dv"]]
     after_scan = [p for p in full if p["has_h0"] and p["block_dv"] < p["dv"]]
-    return [("chunk_fwd_ws", params) for params in after_kkt + after_scan + cp + states]
+    return [("chunk_fwd_ws", params) for params in after_kkt + after_scan + states]

@@ -9,7 +9,7 @@ and gets every piece's initial state without walking the sequence:
    piece's last chunks, ``M`` (whose norm is at most that decay when ``beta >= 0`` and ``beta |k|^2 <= 2``)
    is dropped and ``E`` is computed from a zero state over those last chunks only. Other heads run the
    whole piece and also form ``M`` (exact).
-2. ``chunk_recurrence.chunk_fwd_ws(transition=True)`` computes ``E`` (and ``M`` where needed) for every piece.
+2. :func:`transitions` computes ``E`` (and ``M`` where needed) for every piece, by the gate-free chunk map.
 3. :func:`scan` chains the pieces of each sequence: ``h0[p + 1] = M[p] h0[p] + E[p]``.
 4. The ordinary fused kernel runs over all pieces with these initial states.
 
@@ -227,8 +227,7 @@ def transitions(*, dk: int, dv: int, dtype: str):
     Call as ``kernel(k, v, tt, gb, cu_seqlens, chunk_offsets, order, skip, ht, mt)``: the pieces' token bounds,
     first chunk slots and launch order (``forward._Pieces``), ``skip`` from :func:`warmup_plan`; writes E to ``ht``
     (fp32 ``[P, H_v, K, V]``) and, where ``skip < 0``, M to ``mt`` (fp32 ``[P, H_v, K, K]``). ``skip >= 0`` runs
-    only the piece's chunks from ``skip`` on, from a zero state, and forms no M. The same outputs as
-    ``chunk_recurrence.chunk_fwd_ws(transition=True)``.
+    only the piece's chunks from ``skip`` on, from a zero state, and forms no M.
 
     Per chunk, with X = K^T T~ diag(beta) (``kkt_inverse``'s T~: the gates drop out of it, design doc 1.3),
 
