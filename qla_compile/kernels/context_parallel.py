@@ -280,6 +280,21 @@ def transitions(*, dk: int, dv: int, dtype: str):
         T.tma_copy(x[start : start + C, head, DH : 2 * DH], tiles[1], barrier=full[st])
 
     @T.macro
+    def load_stage(x, tiles, start, head, full, st):
+        """Stage ``st``'s two tiles of ``x`` (``tiles[stage][half]``), by :func:`load_halves`."""
+        if st == 0:
+            load_halves(x, tiles[0], start, head, full, st)
+        else:
+            load_halves(x, tiles[1], start, head, full, st)
+
+    @T.macro
+    def store_half(dst, p, hv, w, s_lo, s_hi):
+        """State warpgroup ``w``'s rows of S^T to the columns [w HW, (w + 1) HW) of ``dst[p, hv]``."""
+        for a, d in T.Parallel(HW, DH):
+            dst[p, hv, d, w * HW + a] = s_lo[a, d]
+            dst[p, hv, DH + d, w * HW + a] = s_hi[a, d]
+
+    @T.macro
     def state_half(w, is_m, kt, vb, xb, gb_s, r_s, full, empty, x_ready, ht, mt, p, hv, n_run):
         """State warpgroup ``w``: rows [w HW, (w + 1) HW) of S^T (E^T, or M^T from the identity)."""
         T.set_max_nreg(_TRANSITION_NREG[1 + w], 1)
@@ -329,13 +344,9 @@ def transitions(*, dk: int, dv: int, dtype: str):
             T.barrier_arrive(empty[st])
         if is_m:  # M's columns, only where it was formed
             if n_run > 0:
-                for a, d in T.Parallel(HW, DH):
-                    mt[p, hv, d, w * HW + a] = s_lo[a, d]
-                    mt[p, hv, DH + d, w * HW + a] = s_hi[a, d]
+                store_half(mt, p, hv, w, s_lo, s_hi)
         else:
-            for a, d in T.Parallel(HW, DH):
-                ht[p, hv, d, w * HW + a] = s_lo[a, d]
-                ht[p, hv, DH + d, w * HW + a] = s_hi[a, d]
+            store_half(ht, p, hv, w, s_lo, s_hi)
 
     @T.prim_func
     def kernel(
@@ -409,18 +420,12 @@ def transitions(*, dk: int, dv: int, dtype: str):
                     start = bos + (i0 + j) * C
                     if tx < 416:
                         T.barrier_wait(empty[st], (j // 2 + 1) % 2)
-                        if st == 0:
-                            load_halves(k, kt[0], start, hk, full, st)
-                        else:
-                            load_halves(k, kt[1], start, hk, full, st)
+                        load_stage(k, kt, start, hk, full, st)
                         T.barrier_arrive(full[st])
                     elif tx < 448:
                         T.barrier_wait(empty[st], (j // 2 + 1) % 2)
                         if sl == 0:  # M's walk has V = 0
-                            if st == 0:
-                                load_halves(v, vb[0], start, hv, full, st)
-                            else:
-                                load_halves(v, vb[1], start, hv, full, st)
+                            load_stage(v, vb, start, hv, full, st)
                         T.barrier_arrive(full[st])
                     elif tx < 480:
                         T.barrier_wait(empty[st], (j // 2 + 1) % 2)
