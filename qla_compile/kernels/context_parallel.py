@@ -215,7 +215,6 @@ def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV, reve
     return kernel
 
 
-
 # setmaxnreg per warpgroup of ``transitions`` (aux, state 0, state 1, producer): sums to 512 = 65536 registers / 128.
 _TRANSITION_NREG = (112, 184, 192, 24)
 
