@@ -123,7 +123,7 @@ def test_transitions_match_fp64(long_keys):
     kw, args = _case(1, 1900, 2, 4, torch.bfloat16, [0, 1200, 1260, 1900], False, seed=5)
     k = (kw["k"].float() * (1.5 if long_keys else 1.0)).to(torch.bfloat16)  # beta |k|^2 up to 2.25: M everywhere
     g = kw["g"].clone()
-    g[..., 1] = 0  # a head that never decays: its M is always formed
+    g[..., 1] = 0  # heads 0 (make_inputs) and 1 never decay: their M is always formed
     k3, v3 = k[0].contiguous(), kw["v"][0].contiguous()
     n_tok, h_v = v3.shape[0], v3.shape[1]
     cu_in = kw["cu_seqlens"]
