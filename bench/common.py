@@ -91,6 +91,16 @@ def write_host_rows(out, name, rows, **meta):
     print(meta)
 
 
+def write_results(out, filename, rows):
+    """``rows`` with the :func:`versions` of this run to ``out/filename`` (JSON)."""
+    import json
+    import os
+
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, filename), "w") as f:
+        json.dump(dict(versions=versions(), rows=rows), f, indent=1)
+
+
 def rel_l2(x, ref):
     x, ref = x.double(), ref.double()
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()

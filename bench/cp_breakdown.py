@@ -11,20 +11,36 @@ table gives its device microseconds, and what the graph time leaves for gaps bet
 
 import argparse
 import collections
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import make_inputs, parse_seqs, time_graph, versions  # noqa: E402
+from bench.common import make_inputs, parse_seqs, time_graph, write_results  # noqa: E402
 from qla_compile.kernels import chunk_gdr_fwd_hopper, chunking  # noqa: E402
 
 
 def kernel_label(name):
-    """A kernel's profiler name, shortened to what tells our launches apart."""
-    return name.split("(")[0].replace("void ", "")[:60]
+    """A kernel's profiler name, shortened to what tells launches apart (ours and FlashInfer 0.7's)."""
+    return name.split("(")[0].replace("void ", "")[:70]
+
+
+def per_launch(fn, calls):
+    """Device us per launch of one call of ``fn`` (the mean over ``calls`` profiled calls), in launch order."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda ev: ev.time_range.start)
+    per_call = len(events) // calls
+    assert per_call * calls == len(events), "calls launched different kernels"
+    us = collections.defaultdict(float)
+    for i, ev in enumerate(events):
+        us[i % per_call, kernel_label(ev.name)] += ev.device_time / calls
+    return [dict(launch=i, kernel=name, us=t) for (i, name), t in sorted(us.items())]
 
 
 def breakdown(spec, cp, calls):
@@ -39,19 +55,7 @@ def breakdown(spec, cp, calls):
 
     graph_ms = time_graph(forward)
     forward()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            forward()
-        torch.cuda.synchronize()
-    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda ev: ev.time_range.start)
-    per_call = len(events) // calls
-    assert per_call * calls == len(events), "calls launched different kernels"
-    us = collections.defaultdict(float)
-    for i, ev in enumerate(events):
-        us[i % per_call, kernel_label(ev.name)] += ev.device_time / calls
-    kernels = [dict(launch=i, kernel=name, us=t) for (i, name), t in sorted(us.items())]
+    kernels = per_launch(forward, calls)
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     rule = chunking.piece_chunks(lens, h_v, n_sm) if cp is None else cp
     return dict(row=spec, piece_chunks=rule, graph_us=graph_ms * 1e3, kernels=kernels)
@@ -66,9 +70,7 @@ def main():
     a = parser.parse_args()
     rows = [breakdown(spec, a.cp, a.calls) for spec in a.rows]
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "cp-breakdown.json"), "w") as f:
-            json.dump(dict(versions=versions(), rows=rows), f, indent=1)
+        write_results(a.out, "cp-breakdown.json", rows)
     for r in rows:
         busy = sum(k["us"] for k in r["kernels"])
         print(f"\n{r['row']}: piece length {r['piece_chunks']} chunks, graph {r['graph_us']:.1f} us, "

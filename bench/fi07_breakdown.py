@@ -7,30 +7,11 @@ Needs FlashInfer 0.7 unpacked at ``--fi07-path`` (``bench/flashinfer07_bundle.sh
 """
 
 import argparse
-import collections
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def per_launch(fn, calls=5):
-    """Device us per launch of one call of ``fn`` (averaged over ``calls``), in launch order, with kernel names."""
-    import torch
-
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    per_call = len(events) // calls
-    us = collections.defaultdict(float)
-    for i, e in enumerate(events):
-        us[i % per_call, e.name.split("(")[0][:70]] += e.device_time / calls
-    return [dict(launch=i, kernel=name, us=round(t, 1)) for (i, name), t in sorted(us.items())]
 
 
 def main():
@@ -45,7 +26,8 @@ def main():
     from flashinfer.gdn_prefill import chunk_gated_delta_rule
 
     from bench.bench_fwd import fi07_call
-    from bench.common import make_inputs, parse_seqs, rel_l2, time_graph, versions
+    from bench.common import make_inputs, parse_seqs, rel_l2, time_graph, write_results
+    from bench.cp_breakdown import per_launch
     from qla_compile.kernels import chunk_gdr_fwd_hopper
 
     fi07 = fi07_call(chunk_gated_delta_rule, "auto")
@@ -59,16 +41,14 @@ def main():
                "flashinfer-0.7": lambda: fi07(x)}
         row = dict(row=spec, o_fi07_vs_qla=rel_l2(fns["flashinfer-0.7"]()[0].float(), fns["qla"]()[0].float()))
         for name, fn in fns.items():
-            row[name] = dict(graph_us=time_graph(fn) * 1e3, kernels=per_launch(fn))
+            row[name] = dict(graph_us=time_graph(fn) * 1e3, kernels=per_launch(fn, calls=5))
         rows.append(row)
         print(f"\n{spec}: o FlashInfer 0.7 vs qla {row['o_fi07_vs_qla']:.1e}")
         for name in fns:
             print(f"  {name}: graph {row[name]['graph_us']:.1f} us; "
                   + ", ".join(f"{k['us']:.1f}" for k in row[name]["kernels"]))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fi07-breakdown.json"), "w") as f:
-            json.dump(dict(versions=versions(), rows=rows), f, indent=1)
+        write_results(args.out, "fi07-breakdown.json", rows)
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def main():
     args = ap.parse_args()
     import torch
 
-    from bench.common import make_inputs, parse_seqs, rel_l2, time_graph, versions
+    from bench.common import make_inputs, parse_seqs, rel_l2, time_graph, write_results
     from qla_compile.kernels import forward as F
     from qla_compile.reference import recurrent_gdr_reference
 
@@ -246,9 +246,7 @@ def main():
               f"{r['package_forward_us']:.1f} | {r['candidate_forward_us']:.1f} | {r['package_tt_vs_fp64_max']:.1e} | "
               f"{r['candidate_tt_vs_fp64_max']:.1e} | {r['gb_equal']}, {r['bad_equal']} |")
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "kkt-candidate.json"), "w") as f:
-            json.dump(dict(versions=versions(), rows=rows), f, indent=1)
+        write_results(args.out, "kkt-candidate.json", rows)
 
 
 if __name__ == "__main__":

@@ -294,6 +294,19 @@ def transitions(*, dk: int, dv: int, dtype: str):
             dst[p, hv, DH + d, w * HW + a] = s_hi[a, d]
 
     @T.macro
+    def u_product(a_lo, a_hi, kt_st, u_f, vb_st, vt):
+        """U^T = S^T K^T over the two halves of d, and this warpgroup's V^T (``ldmatrix.trans``) of one stage."""
+        T.wgmma_gemm(a_lo, kt_st[0], u_f, transpose_B=True, clear_accum=True)
+        T.wgmma_gemm(a_hi, kt_st[1], u_f, transpose_B=True)
+        T.copy(vb_st, vt)
+
+    @T.macro
+    def update(y_h, xb_st, s_lo, s_hi):
+        """S^T += Y^T X^T, X^T's two column halves from one stage."""
+        T.wgmma_gemm(y_h, xb_st[0], s_lo)
+        T.wgmma_gemm(y_h, xb_st[1], s_hi)
+
+    @T.macro
     def state_half(w, is_m, kt, vb, xb, gb_s, r_s, full, empty, x_ready, ht, mt, p, hv, n_run):
         """State warpgroup ``w``: rows [w HW, (w + 1) HW) of S^T (E^T, or M^T from the identity)."""
         T.set_max_nreg(_TRANSITION_NREG[1 + w], 1)
@@ -317,13 +330,9 @@ def transitions(*, dk: int, dv: int, dtype: str):
                 a_lo[a, d] = T.cast(s_lo[a, d], dtype)
                 a_hi[a, d] = T.cast(s_hi[a, d], dtype)
             if st == 0:
-                T.wgmma_gemm(a_lo, kt[0][0], u_f, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(a_hi, kt[0][1], u_f, transpose_B=True)
-                T.copy(vb[0], vt)
+                u_product(a_lo, a_hi, kt[0], u_f, vb[0], vt)
             else:
-                T.wgmma_gemm(a_lo, kt[1][0], u_f, transpose_B=True, clear_accum=True)
-                T.wgmma_gemm(a_hi, kt[1][1], u_f, transpose_B=True)
-                T.copy(vb[1], vt)
+                u_product(a_lo, a_hi, kt[1], u_f, vb[1], vt)
             decay = _exp(gb_s[st, 0, C - 1])
             T.barrier_wait(x_ready[st], ph)  # r_b too
             T.wait_wgmma(0)
@@ -334,11 +343,9 @@ def transitions(*, dk: int, dv: int, dtype: str):
                 s_lo[a, d] = s_lo[a, d] * decay
                 s_hi[a, d] = s_hi[a, d] * decay
             if st == 0:
-                T.wgmma_gemm(y_h, xb[0][0], s_lo)
-                T.wgmma_gemm(y_h, xb[0][1], s_hi)
+                update(y_h, xb[0], s_lo, s_hi)
             else:
-                T.wgmma_gemm(y_h, xb[1][0], s_lo)
-                T.wgmma_gemm(y_h, xb[1][1], s_hi)
+                update(y_h, xb[1], s_lo, s_hi)
             T.wait_wgmma(0)
             T.barrier_arrive(empty[st])
         if is_m:  # M's columns, only where it was formed
