@@ -22,12 +22,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CHUNK = 64
-# (I + L)^-1 in place on a 64x64 fp16 tile (row stride 64): L strictly lower, ones on the diagonal, zeros above;
-# called by all 128 threads of the CTA, ``ys`` 1024 floats of scratch
+TILE_STRIDE = 72  # the tile's row stride in halves: rows 144 B apart, so a column's eight rows sit in distinct banks
+# (I + L)^-1 in place on a 64x64 fp16 tile (row stride TILE_STRIDE): L strictly lower, ones on the diagonal, zeros
+# above; called by all 128 threads of the CTA, ``ys`` 1024 floats of scratch
 _TILE_INVERSE = r"""
 #include <cuda_fp16.h>
-// qla_tile_inverse: (I + L)^-1 in place on a 64x64 fp16 tile (row stride 64), L strictly lower, ones on the
-// diagonal and zeros above it on entry; 128 threads call it; ys: 1024 floats of scratch.
+#define QLA_TS TILE_STRIDE
+// qla_tile_inverse(_mma): (I + L)^-1 in place on a 64x64 fp16 tile (row stride QLA_TS), L strictly lower, ones on
+// the diagonal and zeros above it on entry; 128 threads call it; ys: 1024 floats of scratch.
 __device__ __forceinline__ void qla_inv_diag8(__half* t, int tx) {
   float l[28];
   float x[8];
@@ -37,7 +39,7 @@ __device__ __forceinline__ void qla_inv_diag8(__half* t, int tx) {
 #pragma unroll
     for (int r = 1; r < 8; ++r)
 #pragma unroll
-      for (int j = 0; j < r; ++j) l[n++] = __half2float(t[(o + r) * 64 + o + j]);
+      for (int j = 0; j < r; ++j) l[n++] = __half2float(t[(o + r) * QLA_TS + o + j]);
   }
   __syncthreads();
   if (tx < 64) {
@@ -51,7 +53,7 @@ __device__ __forceinline__ void qla_inv_diag8(__half* t, int tx) {
     }
 #pragma unroll
     for (int r = 1; r < 8; ++r)
-      if (r > c) t[(o + r) * 64 + o + c] = __float2half(x[r]);
+      if (r > c) t[(o + r) * QLA_TS + o + c] = __float2half(x[r]);
   }
   __syncthreads();
 }
@@ -67,9 +69,9 @@ __device__ __forceinline__ void qla_inv_level(__half* t, float* ys, int tx) {
 #pragma unroll
   for (int n = 0; n < N; ++n) acc[n] = 0.f;
   for (int k = j0; k < B; ++k) {  // Y = C A^-1, A^-1 lower triangular: k >= j
-    float cv = __half2float(t[(d0 + i) * 64 + a0 + k]);
+    float cv = __half2float(t[(d0 + i) * QLA_TS + a0 + k]);
 #pragma unroll
-    for (int n = 0; n < N; ++n) acc[n] += cv * __half2float(t[(a0 + k) * 64 + a0 + j0 + n]);
+    for (int n = 0; n < N; ++n) acc[n] += cv * __half2float(t[(a0 + k) * QLA_TS + a0 + j0 + n]);
   }
 #pragma unroll
   for (int n = 0; n < N; ++n) ys[(p * B + i) * B + j0 + n] = acc[n];
@@ -77,12 +79,85 @@ __device__ __forceinline__ void qla_inv_level(__half* t, float* ys, int tx) {
 #pragma unroll
   for (int n = 0; n < N; ++n) acc[n] = 0.f;
   for (int k = 0; k <= i; ++k) {  // -D^-1 Y, D^-1 lower triangular: k <= i
-    float dv = __half2float(t[(d0 + i) * 64 + d0 + k]);
+    float dv = __half2float(t[(d0 + i) * QLA_TS + d0 + k]);
 #pragma unroll
     for (int n = 0; n < N; ++n) acc[n] -= dv * ys[(p * B + k) * B + j0 + n];
   }
 #pragma unroll
-  for (int n = 0; n < N; ++n) t[(d0 + i) * 64 + a0 + j0 + n] = __float2half(acc[n]);  // C was read before the sync
+  for (int n = 0; n < N; ++n) t[(d0 + i) * QLA_TS + a0 + j0 + n] = __float2half(acc[n]);  // C was read before the sync
+  __syncthreads();
+}
+
+// levels 16 and 32 on tensor cores: mma.sync m16n8k16 (fp16 in, fp32 sums); Y = C A^-1 rounded to fp16 in the
+// scratch (row stride B + 8 halves), then -D^-1 Y over C's place; each warp takes whole 16x8 output tiles
+__device__ __forceinline__ unsigned qla_pack(__half lo, __half hi) {
+  __half2 h = __halves2half2(lo, hi);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+__device__ __forceinline__ void qla_mma(float* d, const unsigned* a, const unsigned* b) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// A operand: rows r0..r0+15, cols c0..c0+15 of a row-major fp16 matrix (row stride ld)
+__device__ __forceinline__ void qla_frag_a(unsigned* a, const __half* m, int ld, int r0, int c0, int lane) {
+  int r = r0 + (lane >> 2), c = c0 + 2 * (lane & 3);
+  a[0] = *reinterpret_cast<const unsigned*>(&m[r * ld + c]);
+  a[1] = *reinterpret_cast<const unsigned*>(&m[(r + 8) * ld + c]);
+  a[2] = *reinterpret_cast<const unsigned*>(&m[r * ld + c + 8]);
+  a[3] = *reinterpret_cast<const unsigned*>(&m[(r + 8) * ld + c + 8]);
+}
+
+// B operand (k x n = 16 x 8): rows k0.. (k), cols n0.. (n) of a row-major fp16 matrix (row stride ld)
+__device__ __forceinline__ void qla_frag_b(unsigned* b, const __half* m, int ld, int k0, int n0, int lane) {
+  int k = k0 + 2 * (lane & 3), n = n0 + (lane >> 2);
+  b[0] = qla_pack(m[k * ld + n], m[(k + 1) * ld + n]);
+  b[1] = qla_pack(m[(k + 8) * ld + n], m[(k + 9) * ld + n]);
+}
+
+template <int B>
+__device__ __forceinline__ void qla_inv_level_mma(__half* t, __half* yh, int tx) {
+  constexpr int YS = B + 8, NT = B / 8, PER_PAIR = (B / 16) * NT, PER_WARP = (64 / (2 * B)) * PER_PAIR / 4;
+  int warp = tx >> 5, lane = tx & 31, row = lane >> 2, col = 2 * (lane & 3);
+  float acc[PER_WARP][4];
+#pragma unroll
+  for (int w = 0; w < PER_WARP; ++w) {  // Y = C A^-1
+    int q = warp * PER_WARP + w, p = q / PER_PAIR, mt = (q % PER_PAIR) / NT, nt = q % NT;
+    int a0 = 2 * p * B, d0 = a0 + B;
+    unsigned a[4], b[2];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[w][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < B / 16; ++ks) {
+      qla_frag_a(a, t, QLA_TS, d0 + 16 * mt, a0 + 16 * ks, lane);
+      qla_frag_b(b, t, QLA_TS, a0 + 16 * ks, a0 + 8 * nt, lane);
+      qla_mma(acc[w], a, b);
+    }
+    int y = (p * B + 16 * mt + row) * YS + 8 * nt + col;
+    *reinterpret_cast<__half2*>(&yh[y]) = __floats2half2_rn(acc[w][0], acc[w][1]);
+    *reinterpret_cast<__half2*>(&yh[y + 8 * YS]) = __floats2half2_rn(acc[w][2], acc[w][3]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < PER_WARP; ++w) {  // -D^-1 Y into C's place (C was read before the sync)
+    int q = warp * PER_WARP + w, p = q / PER_PAIR, mt = (q % PER_PAIR) / NT, nt = q % NT;
+    int a0 = 2 * p * B, d0 = a0 + B;
+    unsigned a[4], b[2];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[w][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < B / 16; ++ks) {
+      qla_frag_a(a, t, QLA_TS, d0 + 16 * mt, d0 + 16 * ks, lane);
+      qla_frag_b(b, yh, YS, p * B + 16 * ks, 8 * nt, lane);
+      qla_mma(acc[w], a, b);
+    }
+    int x = (d0 + 16 * mt + row) * QLA_TS + a0 + 8 * nt + col;
+    *reinterpret_cast<__half2*>(&t[x]) = __floats2half2_rn(-acc[w][0], -acc[w][1]);
+    *reinterpret_cast<__half2*>(&t[x + 8 * QLA_TS]) = __floats2half2_rn(-acc[w][2], -acc[w][3]);
+  }
   __syncthreads();
 }
 
@@ -94,11 +169,22 @@ __device__ __forceinline__ void qla_tile_inverse(void* tile, float* ys) {
   qla_inv_level<16>(t, ys, tx);
   qla_inv_level<32>(t, ys, tx);
 }
-"""
+
+__device__ __forceinline__ void qla_tile_inverse_mma(void* tile, float* ys) {
+  __half* t = reinterpret_cast<__half*>(tile);
+  __half* yh = reinterpret_cast<__half*>(ys);
+  int tx = threadIdx.x & 127;
+  qla_inv_diag8(t, tx);
+  qla_inv_level<8>(t, ys, tx);
+  qla_inv_level_mma<16>(t, yh, tx);
+  qla_inv_level_mma<32>(t, yh, tx);
+}
+""".replace("TILE_STRIDE", str(TILE_STRIDE))
 
 
-def candidate(dk=128, dtype="bfloat16"):
-    """The candidate kernel (a TileLang JIT kernel): ``kernel(k, g, beta, spans, tt, gb, bad)``."""
+def candidate(dk=128, dtype="bfloat16", mma=True):
+    """The candidate kernel (a TileLang JIT kernel): ``kernel(k, g, beta, spans, tt, gb, bad)``; ``mma``: the
+    inverse's levels 16 and 32 by mma.sync (else all on CUDA cores)."""
     import tilelang
     import tilelang.language as T
 
@@ -123,7 +209,7 @@ def candidate(dk=128, dtype="bfloat16"):
         with T.Kernel(n_chunk, h_v, threads=128) as (chunk, hv):
             T.import_source(_TILE_INVERSE)
             k_s = T.alloc_shared((C, dk), dtype)
-            t_s = T.alloc_shared((C * C,), half)  # I + L~, then T~: plain row-major (the device function's layout)
+            t_s = T.alloc_shared((C * TILE_STRIDE,), half)  # I + L~, then T~: row-major, unswizzled, padded rows
             ys = T.alloc_shared((1024,), acc)
             bt_s = T.alloc_shared((C,), acc)
             gt_s = T.alloc_shared((1, C), acc)
@@ -149,16 +235,16 @@ def candidate(dk=128, dtype="bfloat16"):
                 T.sync_threads()
                 T.gemm(k_s, k_s, p_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
-                    t_s[i * C + j] = T.cast(T.if_then_else(i > j, bt_s[i] * p_f[i, j],
+                    t_s[i * TILE_STRIDE + j] = T.cast(T.if_then_else(i > j, bt_s[i] * p_f[i, j],
                                                            T.if_then_else(i == j, T.float32(1), T.float32(0))), half)
                     if i == j:
                         if (bt_s[i] < 0) | (bt_s[i] * p_f[i, j] > 2):
                             bad_s[0] = 1
                 T.cumsum(gt_s, dim=1)
                 T.sync_threads()
-                T.call_extern("handle", "qla_tile_inverse", T.address_of(t_s[0]), T.address_of(ys[0]))
+                T.call_extern("handle", "qla_tile_inverse_mma" if mma else "qla_tile_inverse", T.address_of(t_s[0]), T.address_of(ys[0]))
                 for i, j in T.Parallel(C, C):
-                    tt[chunk, hv, i, j] = t_s[i * C + j]
+                    tt[chunk, hv, i, j] = t_s[i * TILE_STRIDE + j]
                 for r, i in T.Parallel(2, C):
                     gb[chunk, hv, r, i] = T.if_then_else(r == 0, gt_s[0, i], bt_s[i])
                 if tx == 0:
@@ -179,14 +265,17 @@ def main():
     from qla_compile.kernels import forward as F
     from qla_compile.reference import recurrent_gdr_reference
 
-    kernels = {dtype: candidate(dtype=dtype) for dtype in ("bfloat16",)}
-    package_inverse = F._gate_inverse
+    kernels = {"cuda": candidate(mma=False), "mma": candidate(mma=True)}  # bf16 keys, as make_inputs gives
 
-    def candidate_inverse(k3, g, beta, spans, tables, dtype):
-        n_tok, h_v = k3.shape[0], tables[1].shape[1]
-        kernels[dtype](k3, g.reshape(n_tok, h_v).float().contiguous(), beta.reshape(n_tok, h_v).float().contiguous(),
-                       spans, *tables)
+    def candidate_inverse(kernel):
+        def call(k3, g, beta, spans, tables, dtype):
+            n_tok, h_v = k3.shape[0], tables[1].shape[1]
+            kernel(k3, g.reshape(n_tok, h_v).float().contiguous(), beta.reshape(n_tok, h_v).float().contiguous(),
+                   spans, *tables)
+        return call
 
+    inverses = {"package": F._gate_inverse, **{name: candidate_inverse(kern) for name, kern in kernels.items()}}
+    package_inverse = inverses["package"]
     rows = []
     for spec in args.rows:
         heads, seqs = spec.split(":")
@@ -198,18 +287,19 @@ def main():
         _, _, _, spans = F._tables(x["cu"], 1, n_tok, k3.device)
         outs = {}
         row = dict(row=spec)
-        for name, fn in (("package", package_inverse), ("candidate", candidate_inverse)):
+        for name, fn in inverses.items():
             tables = F._chunk_tables(n_tok, len(lens), hv, k3.device)
             fn(k3, x["g"], x["beta"], spans, tables, "bfloat16")
             torch.cuda.synchronize()
             outs[name] = [t.clone() for t in tables]
             row[name + "_kernel_us"] = time_graph(lambda: fn(k3, x["g"], x["beta"], spans, tables, "bfloat16")) * 1e3
         n_slots = int(spans[:, 1].gt(0).sum())
-        row["gb_equal"] = bool(torch.equal(outs["package"][1][:n_slots], outs["candidate"][1][:n_slots]))
-        row["bad_equal"] = bool(torch.equal(outs["package"][2][:n_slots], outs["candidate"][2][:n_slots]))
+        for name in kernels:
+            row[name + "_gb_equal"] = bool(torch.equal(outs["package"][1][:n_slots], outs[name][1][:n_slots]))
+            row[name + "_bad_equal"] = bool(torch.equal(outs["package"][2][:n_slots], outs[name][2][:n_slots]))
         # T~ of sampled slots and v-heads against a float64 inverse of I + strictly_lower(diag(beta) K K^T)
         gen = torch.Generator().manual_seed(0)
-        errs = {"package": [], "candidate": []}
+        errs = {name: [] for name in inverses}
         beta = x["beta"][0].double()
         for s in torch.randint(0, n_slots, (args.samples,), generator=gen).tolist():
             a, n = spans[s].tolist()
@@ -226,7 +316,7 @@ def main():
         def forward():
             return F.chunk_gdr_fwd_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["h0"], x["cu"])
 
-        for name, fn in (("package", package_inverse), ("candidate", candidate_inverse)):
+        for name, fn in inverses.items():
             F._gate_inverse = fn
             o, _ = forward()
             row[name + "_forward_us"] = time_graph(forward) * 1e3
@@ -238,13 +328,13 @@ def main():
         F._gate_inverse = package_inverse
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| row | kkt_inverse us | candidate us | forward us (package) | forward us (candidate) | T~ err package "
-          "| T~ err candidate | gb, flags equal |")
-    print("|---|---|---|---|---|---|---|---|")
+    names = list(inverses)
+    print("\n| row | " + " | ".join(f"{n} kernel us | {n} forward us | {n} T~ err" for n in names) + " | gb, flags equal |")
+    print("|---" * (2 + 3 * len(names)) + "|")
     for r in rows:
-        print(f"| {r['row']} | {r['package_kernel_us']:.1f} | {r['candidate_kernel_us']:.1f} | "
-              f"{r['package_forward_us']:.1f} | {r['candidate_forward_us']:.1f} | {r['package_tt_vs_fp64_max']:.1e} | "
-              f"{r['candidate_tt_vs_fp64_max']:.1e} | {r['gb_equal']}, {r['bad_equal']} |")
+        cells = [f"{r[n + '_kernel_us']:.1f} | {r[n + '_forward_us']:.1f} | {r[n + '_tt_vs_fp64_max']:.1e}" for n in names]
+        eq = all(r[f"{n}_{w}_equal"] for n in kernels for w in ("gb", "bad"))
+        print(f"| {r['row']} | " + " | ".join(cells) + f" | {eq} |")
     if args.out:
         write_results(args.out, "kkt-candidate.json", rows)
 
