@@ -1,6 +1,6 @@
 """The SM90 forward kernels lower and build for sm_90a on a machine without a GPU.
 
-Nine builds (CI has two cores, ~30 s each): the inverse in both dtypes, the bf16 fused kernel with
+Ten builds (CI has two cores, ~30 s each): the grouped inverse in both dtypes, the per-head one in bf16, the bf16 fused kernel with
 an initial state and the full V tile, the fp16 one with neither, so both branches of each flag compile,
 the split-state recurrence (bf16 with an initial state), the two context-parallel kernels (the pieces'
 transitions and the piece scan) and the varlen table kernel.
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(
 VARIANTS = [
     ("kkt_inverse", dict(dk=128, dtype="bfloat16")),
     ("kkt_inverse", dict(dk=128, dtype="float16")),
+    ("kkt_inverse_per_head", dict(dk=128, dtype="bfloat16")),
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="bfloat16", has_h0=True, block_dv=128)),
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="float16", has_h0=False, block_dv=64)),
     ("chunk_fwd_split", dict(dk=128, dv=128, dtype="bfloat16", has_h0=True)),
@@ -49,6 +50,8 @@ def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
         assert ("mma_sync" if name == "scan" else "wgmma") in source
     if name in ("chunk_fwd_ws", "chunk_fwd_split", "transitions"):
         assert "tma_load" in source  # inputs stream through the bulk tensor copy engine
+    if name == "kkt_inverse_per_head":
+        assert "mma.sync" in source  # the tile's inverse on tensor cores (tile_inverse)
     if name == "chunk_fwd_split":
         # V^T in and O^T out as 8x8 matrices (ldmatrix/stmatrix .trans), not element by element
         assert "ptx_ldmatrix_x4_trans" in source and "ptx_stmatrix_m8n8_x4_trans" in source

@@ -3,7 +3,8 @@
 Kernels (TileLang, one compile per variant, see :mod:`._build`):
 
 * ``kkt_inverse`` -- per chunk, the gate cumsum and the gate-free inverse
-  T~ = (I + strictly_lower(diag(beta) K K^T))^-1;
+  T~ = (I + strictly_lower(diag(beta) K K^T))^-1 (per group of v-heads sharing keys, or per v-head; the latter
+  inverts its fp16 tile by the device code of ``tile_inverse``);
 * ``seq_tables`` -- the varlen tables: int32 ``cu_seqlens``, chunk offsets and launch order;
 * ``chunk_recurrence`` -- the warp-specialised chunk recurrence: o and the final state (also the backward's
   chunk-state recompute);

@@ -42,7 +42,7 @@ KERNEL_MODULES = (
     "qla_compile.kernels.chunk_grads",
 )
 # every file whose bytes can change a kernel's TIR, in the order sources_sha256 reads them
-SOURCES = tuple(m.rsplit(".", 1)[1] + ".py" for m in KERNEL_MODULES) + ("chunking.py", "_build.py")
+SOURCES = tuple(m.rsplit(".", 1)[1] + ".py" for m in KERNEL_MODULES) + ("chunking.py", "tile_inverse.py", "_build.py")
 
 
 def _manifest_path():

@@ -321,11 +321,14 @@ def _chunk_tables(n_tok, n_seq, h_v, device):
 
 def _gate_inverse(k3, g, beta, spans, tables, dtype):
     """``kkt_inverse`` into ``tables`` (from :func:`_chunk_tables`) for the packed ``k3``, the activated gates ``g``,
-    ``beta`` (``[B, T, H_v]``, any float dtype) and the chunk slots' ``spans`` (:func:`_tables`)."""
+    ``beta`` (``[B, T, H_v]``, any float dtype) and the chunk slots' ``spans`` (:func:`_tables`): one CTA per
+    (chunk, v-head) where each v-head has its own keys, else one per (chunk, qk-head, group of its v-heads), which
+    forms K K^T once for the group."""
     n_tok, h_v = k3.shape[0], tables[1].shape[1]
     g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
     b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
-    kkt_inverse.kkt_inverse(dk=k3.shape[2], dtype=dtype)(k3, g_tok, b_tok, spans, *tables)
+    kernel = kkt_inverse.kkt_inverse_per_head if h_v == k3.shape[1] else kkt_inverse.kkt_inverse
+    kernel(dk=k3.shape[2], dtype=dtype)(k3, g_tok, b_tok, spans, *tables)
 
 
 def _block_dv(n_ctas, dv):
