@@ -16,7 +16,7 @@ def cp():
 @pytest.mark.parametrize("lens,h_v,backward,expect_cp", [
     ([32768], 8, False, True),  # one sequence, few heads: most SMs idle
     ([8192], 16, False, True),
-    ([32768], 64, False, False),  # 64 CTAs per sequence already
+    ([8192], 64, False, False),  # 64 (sequence, v-head) pairs of 128 chunks: the split costs more than it saves
     ([8192] * 4, 16, False, False),  # Be * H = 64
     ([28672, 4096], 32, False, True),  # Be * H = 36.6, long
     ([8192] * 4, 8, False, True),  # Be * H = 32, each sequence 4x the work per SM
@@ -36,6 +36,7 @@ def cp():
     ([960], 2, True, False),  # fewer than two pieces' worth of chunks
 ])
 def test_piece_chunks_rule(cp, lens, h_v, backward, expect_cp):
+    """Whether the rule splits, and its piece length against the formula (within a factor sqrt 2)."""
     chunks = cp.piece_chunks(lens, h_v, n_sm=132, backward=backward)
     assert (chunks is not None) == expect_cp
     if chunks is not None:
@@ -43,6 +44,18 @@ def test_piece_chunks_rule(cp, lens, h_v, backward, expect_cp):
         n_c = [math.ceil(n / 64) for n in lens]
         target = 4.5 * math.sqrt(h_v * sum(n_c) / 132)
         assert max(8, target / math.sqrt(2)) <= chunks <= max(8, target * math.sqrt(2))
+
+
+@pytest.mark.parametrize("lens,h_v,backward,expect", [
+    ([32768], 64, False, 128),  # H200: 1.133 ms against 1.27 unsplit, 1.193 at the formula's 64
+    ([28672, 4096], 64, False, 128),  # Be * H = 73: 1.160 against 1.28, 1.186 at 64
+    ([32768], 64, True, None),  # a backward reuses the plan: not beyond 60 v-heads
+    ([32768] * 2, 64, False, None),  # Be * H = 128
+    ([16384], 64, False, None),  # shorter than 448 chunks: not measured to pay
+])
+def test_many_heads_split_into_quarters(cp, lens, h_v, backward, expect):
+    """Above Be * H_v = 56 a forward alone splits only a sequence of at least 448 chunks, into about four pieces."""
+    assert cp.piece_chunks(lens, h_v, n_sm=132, backward=backward) == expect
 
 
 def test_pieces_partition_every_sequence(cp):

@@ -9,6 +9,8 @@ import math
 
 CHUNK = 64  # tokens per chunk
 MIN_PIECE_CHUNKS = 8  # the shortest context-parallel piece, in chunks
+MAX_HEADS = 80  # no plan of a forward alone splits more v-heads (Be * H_v, :func:`piece_chunks`)
+MAX_HEADS_BACKWARD = 60  # nor one that a backward reuses
 
 
 def piece_chunks(lens, h_v: int, n_sm: int, backward: bool = False):
@@ -20,9 +22,12 @@ def piece_chunks(lens, h_v: int, n_sm: int, backward: bool = False):
     rule, balancing the pieces' walk against the warm-up and scan). A forward alone splits when Be * H_v <= 16
     with a sequence of at least 32 chunks, Be * H_v <= 32 with one of at least 64, or Be * H_v <= 56 with one of
     at least 128 (refitted on the H200 to the forward of 2026-12-04, ``bench/results/2026-12-04-fwd-cp-rule.md``);
-    with its backward, when the longest sequence has at least 2 L chunks and Be * H_v <= 24, or Be * H_v <= 60
-    with at least 64 (fitted to forward + backward times of FlashQLA's 32-row backward set, ``bench/NOTES-bwd.md``,
-    sessions 6 and 7). Beyond these bounds the transitions of non-decaying heads cost more than the split saves.
+    and, into pieces of about a quarter of the longest sequence, when Be * H_v <= :data:`MAX_HEADS` with one of at
+    least 448 chunks (1.10-1.12x at 64 v-heads on the H200 with the gate-free transitions,
+    ``bench/results/2026-12-05-fwd-per-head-inverse.md``). With its backward, when the longest sequence has at
+    least 2 L chunks and Be * H_v <= 24, or Be * H_v <= :data:`MAX_HEADS_BACKWARD` with at least 64 (fitted to
+    forward + backward times of FlashQLA's 32-row backward set, ``bench/NOTES-bwd.md``, sessions 6 and 7).
+    Beyond these bounds the transitions of non-decaying heads cost more than the split saves.
     """
     n_c = [-(-n // CHUNK) for n in lens]
     total, longest = sum(n_c), max(n_c, default=0)
@@ -31,11 +36,13 @@ def piece_chunks(lens, h_v: int, n_sm: int, backward: bool = False):
     be_h = total / longest * h_v
     chunks = max(MIN_PIECE_CHUNKS, 2 ** round(math.log2(4.5 * math.sqrt(h_v * total / n_sm))))
     if backward:
-        on = longest >= 2 * chunks and (be_h <= 24 or (be_h <= 60 and longest >= 64))
-    else:
-        on = ((be_h <= 16 and longest >= 32) or (be_h <= 32 and longest >= 64)
-              or (be_h <= 56 and longest >= 128))
-    return chunks if on else None
+        on = longest >= 2 * chunks and (be_h <= 24 or (be_h <= MAX_HEADS_BACKWARD and longest >= 64))
+        return chunks if on else None
+    if (be_h <= 16 and longest >= 32) or (be_h <= 32 and longest >= 64) or (be_h <= 56 and longest >= 128):
+        return chunks
+    if be_h <= MAX_HEADS and longest >= 448:
+        return 2 ** round(math.log2(longest / 4))
+    return None
 
 
 def pieces(lens, chunk_len: int):

@@ -26,9 +26,9 @@ CUDA graphs: dense inputs are capturable (no host sync; the chunk tables are bui
 Varlen inputs are capturable too, with no warm-up call, when ``cu_seqlens`` is already a CUDA tensor:
 the number of chunk slots is bounded by ``T_total // 64 + N`` from shapes alone (a CPU ``cu_seqlens``
 is copied to the device, which capture forbids). Context parallelism needs the sequence lengths on
-the host: with H_v <= 60 an uncaptured varlen call reads a CUDA ``cu_seqlens`` (one synchronisation,
-once per tensor: the lengths are cached by identity and version) and builds the piece tables; a
-captured call runs context-parallel only when an earlier uncaptured call with the same ``cu_seqlens``
+the host: with H_v <= 80 (60 where a backward follows) an uncaptured varlen call reads a CUDA ``cu_seqlens``
+(one synchronisation, once per tensor: the lengths are cached by identity and version) and builds the piece
+tables; a captured call runs context-parallel only when an earlier uncaptured call with the same ``cu_seqlens``
 tensor (or the same dense shape) left that plan in the cache, and unsplit otherwise.
 Known gaps: a log gate of -inf gives NaN (clamp g >= -88 before the call); the q/k L2 norm runs as
 torch ops before the kernels.
@@ -56,8 +56,6 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _HEAD_DIMS = (128,)
 # Below this many (sequence, v-head) pairs the V dimension is split in two to fill the 132 SMs.
 _FULL_DV_MIN_CTAS = 88
-# Context parallelism is only ever chosen for at most this many v-heads (``chunking.piece_chunks``).
-_CP_MAX_HEADS = 60
 # A plan cuts at most this many (piece, v-head) pairs beyond one piece per sequence: a longer piece length is
 # taken where the chosen one would cut more (only sequences of about 200k tokens or more are affected), so
 # that the forward's context-parallel cache has a size known from shapes (:func:`cp_cache_numel`).
@@ -255,12 +253,13 @@ def cp_cache_numel(n_tok, n_seq, h_v: int, dk: int, dv: int):
     """Elements of the forward's context-parallel cache (fp32, 1-D) for a forward that a backward follows:
     an upper bound, from shapes alone, on what any plan of ``n_seq`` sequences of ``n_tok`` tokens in all
     needs (:func:`_cp_cache_views`), so that ``qla::chunk_gdr_fwd`` has no data-dependent output size; 0
-    where no plan splits (more than ``_CP_MAX_HEADS`` v-heads). ``n_tok`` and ``n_seq`` may be SymInts.
+    where no such plan splits (more than ``chunking.MAX_HEADS_BACKWARD`` v-heads). ``n_tok`` and ``n_seq`` may be
+    SymInts.
 
     A plan has one piece per sequence plus at most ``sum(chunks) // 8`` more (pieces are at least 8 chunks)
     and at most ``_CP_MAX_EXTRA_PIECE_HEADS // h_v`` more (``_cp_plan``); each piece holds K x V + K x K
     fp32 values and one int32 per v-head."""
-    if h_v > _CP_MAX_HEADS:
+    if h_v > chunking.MAX_HEADS_BACKWARD:
         return 0
     chunks = n_tok // CHUNK + n_seq  # a bound on the chunks of all sequences
     extra = torch.sym_min(_CP_MAX_EXTRA_PIECE_HEADS // h_v, chunks // chunking.MIN_PIECE_CHUNKS)
@@ -278,7 +277,8 @@ def _cp_plan(choice, cu_seqlens, batch, seqlen, h_v, device, backward):
     """The :class:`_Pieces` of the context-parallel plan when the kernels run context-parallel, else None
     (``choice``: the caller's ``context_parallel`` argument; ``backward``: the plan of a forward and backward pair,
     ``chunking.piece_chunks``)."""
-    if choice is False or (choice is None and h_v > _CP_MAX_HEADS):
+    max_heads = chunking.MAX_HEADS_BACKWARD if backward else chunking.MAX_HEADS
+    if choice is False or (choice is None and h_v > max_heads):
         return None
     lens = _host_lengths(cu_seqlens, batch, seqlen)
     if lens is None:
