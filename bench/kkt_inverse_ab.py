@@ -1,13 +1,15 @@
-"""The two gate-free inverse kernels against each other, and the forward with each: which one ``forward._gate_inverse``
+"""The gate-free inverse kernels against each other, and the forward with each: which one ``forward._gate_inverse``
 should pick per head ratio.
 
-``kkt_inverse.kkt_inverse`` (one CTA per chunk, qk-head and group of up to four of its v-heads: K K^T once per group)
-and ``kkt_inverse.kkt_inverse_per_head`` (one CTA per chunk and v-head, the tile inverted on tensor cores). For each
+``kkt_inverse.kkt_inverse`` ("grouped": one CTA per chunk, qk-head and group of up to four of its v-heads, K K^T once
+per group, fp32 substitution) and ``kkt_inverse.kkt_inverse_tc`` ("tc1", "tc2", "tc4": one CTA per chunk and 1, 2
+or 4 v-heads of one qk-head, K K^T once per CTA, the tile inverted on tensor cores; tc2 and tc4 where the head
+ratio allows, compiled on first use unless prebuilt). For each
 ``H_qk/H_v:seqs`` row (``common.make_inputs``): both kernels' T~ against a float64 inverse of the same I + L~ on
 sampled chunk slots, gb and the contraction flags bit for bit, each kernel alone and the forward with each
 (CUDA-graph medians), and the forward's output against the float64 oracle on a prefix:
 
-    python bench/kkt_inverse_ab.py 32/32:4096x8 16/32:4096x8 16/64:4096x8 --out $OUT
+    python bench/kkt_inverse_ab.py 32/32:4096x8 16/32:4096x8 16/64:4096x8 8/32:1024x8 --out $OUT
 """
 
 import argparse
@@ -32,15 +34,14 @@ def main():
     from qla_compile.kernels import forward as F
     from qla_compile.reference import recurrent_gdr_reference
 
-    def route(name):
+    def route(name, **params):
         def call(k3, g, beta, spans, tables, dtype):
             n_tok, h_v = k3.shape[0], tables[1].shape[1]
-            kernel = getattr(F.kkt_inverse, name)(dk=k3.shape[2], dtype=dtype)
+            kernel = getattr(F.kkt_inverse, name)(dk=k3.shape[2], dtype=dtype, **params)
             kernel(k3, g.reshape(n_tok, h_v).float().contiguous(), beta.reshape(n_tok, h_v).float().contiguous(),
                    spans, *tables)
         return call
 
-    inverses = {"grouped": route("kkt_inverse"), "per_head": route("kkt_inverse_per_head")}
     package_inverse = F._gate_inverse
     rows = []
     for spec in args.rows:
@@ -48,6 +49,8 @@ def main():
         hk, hv = (int(h) for h in heads.split("/"))
         lens = parse_seqs(seqs)
         x = make_inputs(hk, hv, lens)
+        inverses = {"grouped": route("kkt_inverse")}
+        inverses.update({f"tc{n}": route("kkt_inverse_tc", heads=n) for n in (1, 2, 4) if (hv // hk) % n == 0})
         k3 = x["k"][0].contiguous()
         n_tok = k3.shape[0]
         _, _, _, spans = F._tables(x["cu"], 1, n_tok, k3.device)
@@ -60,8 +63,8 @@ def main():
             outs[name] = [t.clone() for t in tables]
             row[name + "_kernel_us"] = time_graph(lambda: fn(k3, x["g"], x["beta"], spans, tables, "bfloat16")) * 1e3
         n_slots = int(spans[:, 1].gt(0).sum())
-        row["gb_equal"] = bool(torch.equal(outs["grouped"][1][:n_slots], outs["per_head"][1][:n_slots]))
-        row["bad_equal"] = bool(torch.equal(outs["grouped"][2][:n_slots], outs["per_head"][2][:n_slots]))
+        row["gb_equal"] = all(torch.equal(outs["grouped"][1][:n_slots], o[1][:n_slots]) for o in outs.values())
+        row["bad_equal"] = all(torch.equal(outs["grouped"][2][:n_slots], o[2][:n_slots]) for o in outs.values())
         # T~ of sampled slots and v-heads against a float64 inverse of I + strictly_lower(diag(beta) K K^T)
         gen = torch.Generator().manual_seed(0)
         errs = {name: [] for name in inverses}
@@ -93,12 +96,13 @@ def main():
         F._gate_inverse = package_inverse
         rows.append(row)
         print(json.dumps(row), flush=True)
-    names = list(inverses)
-    print("\n| row | " + " | ".join(f"{n} kernel us | {n} forward us | {n} T~ err" for n in names) + " | gb, flags equal |")
-    print("|---" * (2 + 3 * len(names)) + "|")
+    print("\n| row | inverse | kernel us | forward us | T~ err | gb, flags equal |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        cells = [f"{r[n + '_kernel_us']:.1f} | {r[n + '_forward_us']:.1f} | {r[n + '_tt_vs_fp64_max']:.1e}" for n in names]
-        print(f"| {r['row']} | " + " | ".join(cells) + f" | {r['gb_equal']}, {r['bad_equal']} |")
+        for n in ("grouped", "tc1", "tc2", "tc4"):
+            if n + "_kernel_us" in r:
+                print(f"| {r['row']} | {n} | {r[n + '_kernel_us']:.1f} | {r[n + '_forward_us']:.1f} | "
+                      f"{r[n + '_tt_vs_fp64_max']:.1e} | {r['gb_equal']}, {r['bad_equal']} |")
     if args.out:
         write_results(args.out, "kkt-inverse-ab.json", rows)
 

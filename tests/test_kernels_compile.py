@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 VARIANTS = [
     ("kkt_inverse", dict(dk=128, dtype="bfloat16")),
     ("kkt_inverse", dict(dk=128, dtype="float16")),
-    ("kkt_inverse_per_head", dict(dk=128, dtype="bfloat16")),
+    ("kkt_inverse_tc", dict(dk=128, dtype="bfloat16")),
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="bfloat16", has_h0=True, block_dv=128)),
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="float16", has_h0=False, block_dv=64)),
     ("chunk_fwd_split", dict(dk=128, dv=128, dtype="bfloat16", has_h0=True)),
@@ -50,7 +50,7 @@ def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
         assert ("mma_sync" if name == "scan" else "wgmma") in source
     if name in ("chunk_fwd_ws", "chunk_fwd_split", "transitions"):
         assert "tma_load" in source  # inputs stream through the bulk tensor copy engine
-    if name == "kkt_inverse_per_head":
+    if name == "kkt_inverse_tc":
         assert "mma.sync" in source  # the tile's inverse on tensor cores (tile_inverse)
     if name == "chunk_fwd_split":
         # V^T in and O^T out as 8x8 matrices (ldmatrix/stmatrix .trans), not element by element

@@ -327,7 +327,7 @@ def _gate_inverse(k3, g, beta, spans, tables, dtype):
     n_tok, h_v = k3.shape[0], tables[1].shape[1]
     g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
     b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
-    kernel = kkt_inverse.kkt_inverse_per_head if h_v == k3.shape[1] else kkt_inverse.kkt_inverse
+    kernel = kkt_inverse.kkt_inverse_tc if h_v == k3.shape[1] else kkt_inverse.kkt_inverse
     kernel(dk=k3.shape[2], dtype=dtype)(k3, g_tok, b_tok, spans, *tables)
 
 

@@ -15,10 +15,10 @@ every batch layout and length.  Chunks are numbered globally: sequence n owns ch
   cores, then per v-head the 32x32 diagonal blocks of (I + L~)^-1 and X = B^-1 C by fp32 right-looking
   substitution and the off-diagonal block -X A^-1 by one wgmma; T~ stored per chunk as
   ``[chunk, H_v, 64, 64]``. Rows past a sequence's end have beta = 0, so their rows of T~ are unit rows.
-* :func:`kkt_inverse_per_head` -- the same outputs, one CTA per (chunk, v-head), up to seven per SM: K K^T by one
-  wgmma, I + L~ into an fp16 tile inverted in place on tensor cores (``tile_inverse``). Faster where every
-  v-head has its own keys (1.2x at H_v = H_qk on an H100); where four v-heads share a qk-head, ``kkt_inverse``'s
-  one K K^T per group wins (``forward._gate_inverse`` picks).
+* :func:`kkt_inverse_tc` -- the same outputs, one CTA per chunk and v-head (or a few v-heads of one qk-head), up
+  to seven per SM: K K^T by one wgmma, I + L~ into an fp16 tile inverted in place on tensor cores
+  (``tile_inverse``). Faster where every v-head has its own keys (1.4x at H_v = H_qk on the H200); where four
+  v-heads share a qk-head, ``kkt_inverse``'s one K K^T per group wins (``forward._gate_inverse`` picks).
 
 The chunk recurrence that consumes T~ is ``chunk_recurrence.chunk_fwd_ws``.
 """
@@ -249,16 +249,19 @@ def kkt_inverse(*, dk: int, dtype: str):
 
 
 @compiled
-def kkt_inverse_per_head(*, dk: int, dtype: str):
-    """:func:`kkt_inverse`'s outputs (T~, ``gb``, ``bad``; same call), one CTA (one warpgroup) per (chunk, v-head):
-    K by TMA, K K^T by one wgmma (fp32), I + L~ rounded to fp16 into a padded tile, the contraction flags from the
-    fragment's diagonal, then the tile inverted in place by ``tile_inverse`` (block doubling on tensor cores) and
-    stored as T~. ~30 KB of shared memory and 58 registers, so seven CTAs share an SM."""
+def kkt_inverse_tc(*, dk: int, dtype: str, heads: int = 1):
+    """:func:`kkt_inverse`'s outputs (T~, ``gb``, ``bad``; same call), the inverse on tensor cores: one CTA (one
+    warpgroup) per chunk and ``heads`` v-heads of one qk-head (1, 2 or 4, dividing H_v / H_qk). K by TMA, K K^T by
+    one wgmma (fp32, kept in registers for the CTA's v-heads); per v-head, I + L~ rounded to fp16 into a padded tile
+    and the contraction flags from the fragment's diagonal, then the tile inverted in place by ``tile_inverse``
+    (block doubling on tensor cores) and stored as T~. ~30 KB of shared memory and 58 registers (``heads`` = 1), so
+    seven CTAs share an SM."""
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
-    C, TS, acc, half = CHUNK, TILE_STRIDE, "float32", "float16"
+    C, TS, HB, acc, half = CHUNK, TILE_STRIDE, heads, "float32", "float16"
+    assert HB in (1, 2, 4)
 
     @T.prim_func
     def kernel(
@@ -270,20 +273,23 @@ def kkt_inverse_per_head(*, dk: int, dtype: str):
         gb: T.Tensor((n_chunk, h_v, 2, C), acc),
         bad: T.Tensor((n_chunk, h_v), "int32"),
     ):
-        with T.Kernel(n_chunk, h_v, threads=128) as (chunk, hv):
+        with T.Kernel(n_chunk, h_v // HB, threads=128) as (chunk, hz):
+            if HB > 1:  # K K^T stays in registers across the v-heads: keep five CTAs per SM
+                T.annotate_min_blocks_per_sm(5)
             T.import_source(TILE_INVERSE_CUDA)
             T.pdl_trigger()  # the next kernel, a programmatic dependent, may launch as this grid's last CTAs run
             k_s = T.alloc_shared((C, dk), dtype)
             t_s = T.alloc_shared((C * TS,), half)  # I + L~, then T~: row-major, unswizzled, rows TS halves apart
             scratch = T.alloc_shared((1024,), acc)  # the inverse's C A^-1
-            bt_s = T.alloc_shared((C,), acc)  # beta, 0 past the sequence end
-            gt_s = T.alloc_shared((1, C), acc)  # g, then gamma
-            bad_s = T.alloc_shared((1,), "int32")
+            bt_s = T.alloc_shared((HB, C), acc)  # beta per v-head, 0 past the sequence end
+            gt_s = T.alloc_shared((HB, C), acc)  # g per v-head, then gamma
+            bad_s = T.alloc_shared((HB,), "int32")
             p_f = T.alloc_fragment((C, C), acc)
             k_ready = T.alloc_barrier(128)
             span = T.alloc_local((2,), "int32")
             tx = T.get_thread_binding()
-            hk = hv // (h_v // h_qk)
+            hv0 = hz * HB
+            hk = hv0 // (h_v // h_qk)
             for e in T.vectorized(2):
                 span[e] = spans[chunk, e]
             start = T.alloc_var("int32", init=span[0])
@@ -292,34 +298,37 @@ def kkt_inverse_per_head(*, dk: int, dtype: str):
                 # K by TMA (rows past the sequence end have beta = 0; past n_tok they are zero-filled)
                 T.tma_copy(k[start : start + C, hk, :], k_s, barrier=k_ready)
                 T.barrier_arrive(k_ready)
-                if tx < C:
-                    bt_s[tx] = T.if_then_else(tx < length, beta[start + tx, hv], T.float32(0))
-                    gt_s[0, tx] = T.if_then_else(tx < length, g[start + tx, hv], T.float32(0))
-                if tx == 0:
-                    bad_s[0] = 0
+                for h, i in T.Parallel(HB, C):
+                    bt_s[h, i] = T.if_then_else(i < length, beta[start + i, hv0 + h], T.float32(0))
+                    gt_s[h, i] = T.if_then_else(i < length, g[start + i, hv0 + h], T.float32(0))
+                if tx < HB:
+                    bad_s[tx] = 0
                 T.barrier_wait(k_ready, 0)
                 T.sync_threads()
                 T.gemm(k_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    t_s[i * TS + j] = T.cast(T.if_then_else(i > j, bt_s[i] * p_f[i, j],
-                                                            T.if_then_else(i == j, T.float32(1), T.float32(0))), half)
-                    if i == j:  # |k_i|^2 on the diagonal
-                        if (bt_s[i] < 0) | (bt_s[i] * p_f[i, j] > 2):
-                            bad_s[0] = 1
                 T.cumsum(gt_s, dim=1)
-                T.sync_threads()
-                T.call_extern("handle", "qla_tile_inverse", T.address_of(t_s[0]), T.address_of(scratch[0]))
-                for i, j in T.Parallel(C, C):
-                    tt[chunk, hv, i, j] = t_s[i * TS + j]
-                for r, i in T.Parallel(2, C):
-                    gb[chunk, hv, r, i] = T.if_then_else(r == 0, gt_s[0, i], bt_s[i])
-                if tx == 0:
-                    bad[chunk, hv] = bad_s[0]
+                for h in T.serial(HB):
+                    for i, j in T.Parallel(C, C):
+                        t_s[i * TS + j] = T.cast(T.if_then_else(i > j, bt_s[h, i] * p_f[i, j],
+                                                                T.if_then_else(i == j, T.float32(1), T.float32(0))),
+                                                 half)
+                        if i == j:  # |k_i|^2 on the diagonal
+                            if (bt_s[h, i] < 0) | (bt_s[h, i] * p_f[i, j] > 2):
+                                bad_s[h] = 1
+                    T.sync_threads()
+                    T.call_extern("handle", "qla_tile_inverse", T.address_of(t_s[0]), T.address_of(scratch[0]))
+                    for i, j in T.Parallel(C, C):
+                        tt[chunk, hv0 + h, i, j] = t_s[i * TS + j]
+                    T.sync_threads()  # every lane has read the tile before the next v-head's fill
+                for h, r, i in T.Parallel(HB, 2, C):
+                    gb[chunk, hv0 + h, r, i] = T.if_then_else(r == 0, gt_s[h, i], bt_s[h, i])
+                if tx < HB:
+                    bad[chunk, hv0 + tx] = bad_s[tx]
 
     return kernel
 
 
 def variants():
     """``(kernel name, params)`` of both inverse kernels' variants (bf16 and fp16 k, K = 128)."""
-    return [(name, dict(dk=128, dtype=dtype)) for name in ("kkt_inverse", "kkt_inverse_per_head")
+    return [(name, dict(dk=128, dtype=dtype)) for name in ("kkt_inverse", "kkt_inverse_tc")
             for dtype in ("bfloat16", "float16")]

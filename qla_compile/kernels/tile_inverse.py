@@ -1,5 +1,5 @@
 """CUDA device code, for ``T.import_source``: (I + L)^-1 of one 64x64 fp16 tile in shared memory, in place, by a
-warpgroup (128 threads), for ``kkt_inverse.kkt_inverse_per_head``.
+warpgroup (128 threads), for ``kkt_inverse.kkt_inverse_tc``.
 
 The tile is row-major and unswizzled, rows :data:`TILE_STRIDE` halves apart (144 B: the eight rows a lane group
 reads down a column fall in eight different banks); on entry L is strictly lower, the diagonal ones and the upper

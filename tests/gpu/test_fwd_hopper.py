@@ -113,30 +113,33 @@ def test_context_parallel_exact_transitions_for_long_keys():
     assert rel_err(ht, ref_ht) <= TOL, rel_err(ht, ref_ht)
 
 
+@pytest.mark.parametrize("heads", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_inverse_kernels_match_fp64(dtype):
-    """Both gate-free inverse kernels (``kkt_inverse``, ``kkt_inverse_per_head``) on the same varlen chunks, some
-    keys long enough to raise the contraction flag: T~ of each against a float64 inverse of I + L~ on every
-    chunk slot and v-head, gamma, the masked beta and the flags bit for bit equal between them."""
+def test_inverse_kernels_match_fp64(dtype, heads):
+    """Both gate-free inverse kernels (``kkt_inverse``; ``kkt_inverse_tc`` with ``heads`` v-heads per CTA) on the same
+    varlen chunks (four v-heads per qk-head), some keys long enough to raise the contraction flag: T~ of each against
+    a float64 inverse of I + L~ on every chunk slot and v-head, gamma, the masked beta and the flags bit for bit
+    equal between them."""
     kernels = _kernels()
     from qla_compile.kernels.forward import kkt_inverse
 
-    kw, _ = _case(1, 700, 4, 4, dtype, [0, 1, 100, 164, 700], False, seed=3)
+    kw, _ = _case(1, 700, 2, 8, dtype, [0, 1, 100, 164, 700], False, seed=3)
     k = kw["k"].float()
     k[0, 150:160] *= 1.6  # beta |k|^2 > 2 for some of these tokens
     k3 = k[0].to(dtype).contiguous()
-    n_tok, h_v = k3.shape[0], 4
+    n_tok, h_v = k3.shape[0], 8
     _, _, _, spans = kernels._tables(kw["cu_seqlens"], 1, n_tok, k3.device)
     g = kw["g"].reshape(n_tok, h_v).float().contiguous()
     beta = kw["beta"].reshape(n_tok, h_v).float().contiguous()
     name = kernels._DTYPES[dtype]
-    out = {}
-    for kernel in (kkt_inverse.kkt_inverse, kkt_inverse.kkt_inverse_per_head):
+    out = []
+    for kernel in (kkt_inverse.kkt_inverse(dk=128, dtype=name), kkt_inverse.kkt_inverse_tc(dk=128, dtype=name,
+                                                                                            heads=heads)):
         tables = kernels._chunk_tables(n_tok, 4, h_v, k3.device)
-        kernel(dk=128, dtype=name)(k3, g, beta, spans, *tables)
-        out[kernel] = tables
+        kernel(k3, g, beta, spans, *tables)
+        out.append(tables)
     n_slots = int(spans[:, 1].gt(0).sum())
-    (tt_a, gb_a, bad_a), (tt_b, gb_b, bad_b) = out.values()
+    (tt_a, gb_a, bad_a), (tt_b, gb_b, bad_b) = out
     assert torch.equal(gb_a[:n_slots], gb_b[:n_slots]) and torch.equal(bad_a[:n_slots], bad_b[:n_slots])
     assert bool(bad_a[:n_slots].any()) and not bool(bad_a[:n_slots].all())
     eye = torch.eye(64, dtype=torch.float64, device="cuda")
@@ -145,7 +148,7 @@ def test_inverse_kernels_match_fp64(dtype):
         kk = k3[a : a + n].double()
         for h in range(h_v):
             lt = torch.zeros(64, 64, dtype=torch.float64, device="cuda")
-            lt[:n, :n] = torch.tril(beta[a : a + n, h, None].double() * (kk[:, h] @ kk[:, h].T), -1)
+            lt[:n, :n] = torch.tril(beta[a : a + n, h, None].double() * (kk[:, h // 4] @ kk[:, h // 4].T), -1)
             ref = torch.linalg.inv(eye + lt)
             for tt in (tt_a, tt_b):
                 assert rel_err(tt[s, h], ref) <= 1e-3, (s, h, rel_err(tt[s, h], ref))
