@@ -100,45 +100,54 @@ __device__ __forceinline__ void qla_frag_b(unsigned* b, const __half* m, int ld,
   b[1] = qla_pack(m[(k + 8) * ld + n], m[(k + 9) * ld + n]);
 }
 
+// acc = A[ra.., ca..] (16 x 16 KS) B[kb.., nb..] (16 KS x 8), both fp16 row-major (row strides lda, ldb)
+template <int KS>
+__device__ __forceinline__ void qla_tile_mma(float* acc, const __half* a, int lda, int ra, int ca, const __half* b,
+                                             int ldb, int kb, int nb, int lane) {
+  unsigned fa[4], fb[2];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) acc[e] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    qla_frag_a(fa, a, lda, ra, ca + 16 * ks, lane);
+    qla_frag_b(fb, b, ldb, kb + 16 * ks, nb, lane);
+    qla_mma(acc, fa, fb);
+  }
+}
+
+// the w-th 16x8 output tile of a warp at level B: pair p (A at rows/cols a0.., D at d0 = a0 + B), tile row mt, col nt
+struct QlaLevelTile {
+  int p, mt, nt, a0, d0;
+};
+
+template <int B>
+__device__ __forceinline__ QlaLevelTile qla_level_tile(int warp, int w) {
+  constexpr int NT = B / 8, PER_PAIR = (B / 16) * NT, PER_WARP = (64 / (2 * B)) * PER_PAIR / 4;
+  int q = warp * PER_WARP + w, p = q / PER_PAIR;
+  return {p, (q % PER_PAIR) / NT, q % NT, 2 * p * B, 2 * p * B + B};
+}
+
 // level B (16 or 32) on tensor cores: Y = C A^-1 into the scratch (fp16, row stride B + 8), then -D^-1 Y over C;
 // the 16x8 output tiles of all pairs are dealt to the four warps
 template <int B>
 __device__ __forceinline__ void qla_inv_level_mma(__half* t, __half* yh, int tx) {
-  constexpr int YS = B + 8, NT = B / 8, PER_PAIR = (B / 16) * NT, PER_WARP = (64 / (2 * B)) * PER_PAIR / 4;
+  constexpr int YS = B + 8, PER_WARP = (64 / (2 * B)) * (B / 16) * (B / 8) / 4;
   int warp = tx >> 5, lane = tx & 31, row = lane >> 2, col = 2 * (lane & 3);
   float acc[4];
 #pragma unroll
   for (int w = 0; w < PER_WARP; ++w) {
-    int q = warp * PER_WARP + w, p = q / PER_PAIR, mt = (q % PER_PAIR) / NT, nt = q % NT;
-    int a0 = 2 * p * B, d0 = a0 + B;
-    unsigned a[4], b[2];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < B / 16; ++ks) {
-      qla_frag_a(a, t, QLA_TS, d0 + 16 * mt, a0 + 16 * ks, lane);
-      qla_frag_b(b, t, QLA_TS, a0 + 16 * ks, a0 + 8 * nt, lane);
-      qla_mma(acc, a, b);
-    }
-    int y = (p * B + 16 * mt + row) * YS + 8 * nt + col;
+    QlaLevelTile u = qla_level_tile<B>(warp, w);
+    qla_tile_mma<B / 16>(acc, t, QLA_TS, u.d0 + 16 * u.mt, u.a0, t, QLA_TS, u.a0, u.a0 + 8 * u.nt, lane);
+    int y = (u.p * B + 16 * u.mt + row) * YS + 8 * u.nt + col;
     *reinterpret_cast<__half2*>(&yh[y]) = __floats2half2_rn(acc[0], acc[1]);
     *reinterpret_cast<__half2*>(&yh[y + 8 * YS]) = __floats2half2_rn(acc[2], acc[3]);
   }
   __syncthreads();
 #pragma unroll
   for (int w = 0; w < PER_WARP; ++w) {
-    int q = warp * PER_WARP + w, p = q / PER_PAIR, mt = (q % PER_PAIR) / NT, nt = q % NT;
-    int a0 = 2 * p * B, d0 = a0 + B;
-    unsigned a[4], b[2];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < B / 16; ++ks) {
-      qla_frag_a(a, t, QLA_TS, d0 + 16 * mt, d0 + 16 * ks, lane);
-      qla_frag_b(b, yh, YS, p * B + 16 * ks, 8 * nt, lane);
-      qla_mma(acc, a, b);
-    }
-    int x = (d0 + 16 * mt + row) * QLA_TS + a0 + 8 * nt + col;  // C was read before the sync
+    QlaLevelTile u = qla_level_tile<B>(warp, w);
+    qla_tile_mma<B / 16>(acc, t, QLA_TS, u.d0 + 16 * u.mt, u.d0, yh, YS, u.p * B, 8 * u.nt, lane);
+    int x = (u.d0 + 16 * u.mt + row) * QLA_TS + u.a0 + 8 * u.nt + col;  // C was read before the sync
     *reinterpret_cast<__half2*>(&t[x]) = __floats2half2_rn(-acc[0], -acc[1]);
     *reinterpret_cast<__half2*>(&t[x + 8 * QLA_TS]) = __floats2half2_rn(-acc[2], -acc[3]);
   }
