@@ -58,6 +58,23 @@ def test_many_heads_split_into_quarters(cp, lens, h_v, backward, expect):
     assert cp.piece_chunks(lens, h_v, n_sm=132, backward=backward) == expect
 
 
+def test_may_split_from_shapes_bounds_the_rule(cp):
+    """``may_split`` (shapes only) is True wherever the forward-alone rule splits, over random batches and head
+    counts, and False for calls too short or too wide to split, so those never read their lengths."""
+    gen = torch.Generator().manual_seed(0)
+    split = 0
+    for _ in range(3000):
+        n_seq = int(torch.randint(1, 9, (), generator=gen))
+        lens = torch.randint(0, 40000, (n_seq,), generator=gen).tolist()
+        h_v = int(torch.randint(1, 97, (), generator=gen))
+        if cp.piece_chunks(lens, h_v, 132) is not None:
+            split += 1
+            assert cp.may_split(sum(lens), h_v), (lens, h_v)
+    assert split > 100
+    assert not cp.may_split(28000, 64) and cp.may_split(32768, 64) and not cp.may_split(1 << 20, 81)
+    assert not cp.may_split(1900, 4) and cp.may_split(2048, 4) and not cp.may_split(4000, 32)
+
+
 def test_pieces_partition_every_sequence(cp):
     lens, L = [1000, 130, 0, 64 * 20 + 5, 512], 8
     cu, offs, seq_pieces, last = cp.pieces(lens, L)

@@ -11,6 +11,11 @@ CHUNK = 64  # tokens per chunk
 MIN_PIECE_CHUNKS = 8  # the shortest context-parallel piece, in chunks
 MAX_HEADS = 80  # no plan of a forward alone splits more v-heads (Be * H_v, :func:`piece_chunks`)
 MAX_HEADS_BACKWARD = 60  # nor one that a backward reuses
+# (bound on Be * H_v, fewest chunks of the longest sequence) under which a forward alone splits: the first three
+# into pieces of the formula's length, the last into quarters of the longest sequence
+_FORWARD_SPLITS = ((16, 32), (32, 64), (56, 128), (MAX_HEADS, 448))
+# the same for a forward whose backward follows; the longest sequence needs two pieces' worth of chunks besides
+_BACKWARD_SPLITS = ((24, 0), (MAX_HEADS_BACKWARD, 64))
 
 
 def piece_chunks(lens, h_v: int, n_sm: int, backward: bool = False):
@@ -36,13 +41,18 @@ def piece_chunks(lens, h_v: int, n_sm: int, backward: bool = False):
     be_h = total / longest * h_v
     chunks = max(MIN_PIECE_CHUNKS, 2 ** round(math.log2(4.5 * math.sqrt(h_v * total / n_sm))))
     if backward:
-        on = longest >= 2 * chunks and (be_h <= 24 or (be_h <= MAX_HEADS_BACKWARD and longest >= 64))
+        on = longest >= 2 * chunks and any(be_h <= b and longest >= n for b, n in _BACKWARD_SPLITS)
         return chunks if on else None
-    if (be_h <= 16 and longest >= 32) or (be_h <= 32 and longest >= 64) or (be_h <= 56 and longest >= 128):
+    if any(be_h <= b and longest >= n for b, n in _FORWARD_SPLITS[:-1]):
         return chunks
-    if be_h <= MAX_HEADS and longest >= 448:
-        return 2 ** round(math.log2(longest / 4))
-    return None
+    b, n = _FORWARD_SPLITS[-1]
+    return 2 ** round(math.log2(longest / 4)) if be_h <= b and longest >= n else None
+
+
+def may_split(n_tok: int, h_v: int) -> bool:
+    """Whether :func:`piece_chunks` could split some sequences of ``n_tok`` tokens in all for a forward alone, from
+    shapes alone (as Be >= 1, Be * H_v >= H_v): a forward alone for which it cannot need not read its lengths."""
+    return any(h_v <= b and -(-n_tok // CHUNK) >= n for b, n in _FORWARD_SPLITS)
 
 
 def pieces(lens, chunk_len: int):

@@ -26,8 +26,9 @@ CUDA graphs: dense inputs are capturable (no host sync; the chunk tables are bui
 Varlen inputs are capturable too, with no warm-up call, when ``cu_seqlens`` is already a CUDA tensor:
 the number of chunk slots is bounded by ``T_total // 64 + N`` from shapes alone (a CPU ``cu_seqlens``
 is copied to the device, which capture forbids). Context parallelism needs the sequence lengths on
-the host: with H_v <= 80 (60 where a backward follows) an uncaptured varlen call reads a CUDA ``cu_seqlens``
-(one synchronisation, once per tensor: the lengths are cached by identity and version) and builds the piece
+the host: an uncaptured varlen call reads a CUDA ``cu_seqlens`` (one synchronisation, once per tensor: the
+lengths are cached by identity and version) where a backward follows and H_v <= 60, or, for a forward alone,
+where its shapes allow a split (``chunking.may_split``: H_v <= 80 and enough tokens), and builds the piece
 tables; a captured call runs context-parallel only when an earlier uncaptured call with the same ``cu_seqlens``
 tensor (or the same dense shape) left that plan in the cache, and unsplit otherwise.
 Known gaps: a log gate of -inf gives NaN (clamp g >= -88 before the call); the q/k L2 norm runs as
@@ -277,8 +278,10 @@ def _cp_plan(choice, cu_seqlens, batch, seqlen, h_v, device, backward):
     """The :class:`_Pieces` of the context-parallel plan when the kernels run context-parallel, else None
     (``choice``: the caller's ``context_parallel`` argument; ``backward``: the plan of a forward and backward pair,
     ``chunking.piece_chunks``)."""
-    max_heads = chunking.MAX_HEADS_BACKWARD if backward else chunking.MAX_HEADS
-    if choice is False or (choice is None and h_v > max_heads):
+    # a forward alone reads the lengths only where a split may come of it; with a backward to follow they also give
+    # the backward's launch table (``backward._grads_order``)
+    hopeless = h_v > chunking.MAX_HEADS_BACKWARD if backward else not chunking.may_split(batch * seqlen, h_v)
+    if choice is False or (choice is None and hopeless):
         return None
     lens = _host_lengths(cu_seqlens, batch, seqlen)
     if lens is None:
