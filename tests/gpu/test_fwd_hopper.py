@@ -231,6 +231,29 @@ def test_context_parallel_under_capture():
     assert all(torch.equal(a, b) for a, b in zip(unseen, unsplit))
 
 
+def test_forward_alone_reads_lengths_only_where_it_may_split():
+    """A forward alone on a CUDA cu_seqlens it has not seen synchronises with the host (to read the lengths) only
+    where its shapes allow a context-parallel split (``chunking.may_split``)."""
+    kernels = _kernels()
+    for n_tok, split in ((900, False), (8192, True)):
+        _, args = _case(1, n_tok, 1, 4, torch.bfloat16, [0, n_tok - 100, n_tok], True, seed=7)
+        assert kernels.chunking.may_split(n_tok, 4) == split
+        kernels.chunk_gdr_fwd_hopper(*args)  # kernels loaded, outside the check
+        args = list(args)
+        args[7] = args[7].cuda().clone()  # a tensor the length cache has not seen
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            if split:
+                with pytest.raises(RuntimeError):
+                    kernels.chunk_gdr_fwd_hopper(*args)
+            else:
+                kernels.chunk_gdr_fwd_hopper(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("block_dv", BLOCK_DV)
 def test_every_output_element_written(block_dv, monkeypatch):
     """Outputs allocated inside the call are poisoned with NaN; none may survive."""
