@@ -22,7 +22,8 @@ def main():
     args = ap.parse_args()
     with open(os.path.join(args.fi07_path, "fi07_bundle.json")) as f:
         info = json.load(f)
-    sys.path[:0] = [args.fi07_path, os.path.join(args.fi07_path, info.get("dsl_path", "nvidia_cutlass_dsl/dsl_packages"))]
+    dsl = info.get("dsl_path", "nvidia_cutlass_dsl/dsl_packages")
+    sys.path[:0] = [args.fi07_path, os.path.join(args.fi07_path, dsl)]
     from flashinfer.gdn_prefill import chunk_gated_delta_rule
 
     from bench.bench_fwd import fi07_call

@@ -1,7 +1,8 @@
 """The SM90 forward kernels lower and build for sm_90a on a machine without a GPU.
 
-Ten builds (CI has two cores, ~30 s each): the grouped inverse in both dtypes, the per-head one in bf16, the bf16 fused kernel with
-an initial state and the full V tile, the fp16 one with neither, so both branches of each flag compile,
+Ten builds (CI has two cores, ~30 s each): the grouped inverse in both dtypes, the tensor-core one
+(``kkt_inverse_tc``) in bf16, the bf16 fused kernel with an initial state and the full V tile, the fp16 one with
+neither, so both branches of each flag compile,
 the split-state recurrence (bf16 with an initial state), the two context-parallel kernels (the pieces'
 transitions and the piece scan) and the varlen table kernel.
 ``python -m qla_compile.prebuild`` builds every variant.

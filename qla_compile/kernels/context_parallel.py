@@ -444,6 +444,7 @@ def transitions(*, dk: int, dv: int, dtype: str):
 
     return kernel
 
+
 def variants():
     """``(kernel name, params)`` of every scan and transition variant (K = V = 128)."""
     return ([("scan", dict(dk=128, dv=128, has_h0=has_h0, reverse=reverse))

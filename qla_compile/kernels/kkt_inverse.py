@@ -17,8 +17,9 @@ every batch layout and length.  Chunks are numbered globally: sequence n owns ch
   ``[chunk, H_v, 64, 64]``. Rows past a sequence's end have beta = 0, so their rows of T~ are unit rows.
 * :func:`kkt_inverse_tc` -- the same outputs, one CTA per chunk and v-head (or a few v-heads of one qk-head), up
   to seven per SM: K K^T by one wgmma, I + L~ into an fp16 tile inverted in place on tensor cores
-  (``tile_inverse``). Faster where every v-head has its own keys (1.4x at H_v = H_qk on the H200); where four
-  v-heads share a qk-head, ``kkt_inverse``'s one K K^T per group wins (``forward._gate_inverse`` picks).
+  (``tile_inverse``). Faster where every v-head has its own keys (1.4x at H_v = H_qk on the H200, one v-head per
+  CTA); where v-heads share a qk-head ``forward._gate_inverse`` takes ``kkt_inverse`` (at one v-head per CTA the
+  tensor-core kernel was level at two per qk-head and slower at four; two or four per CTA are not yet timed).
 
 The chunk recurrence that consumes T~ is ``chunk_recurrence.chunk_fwd_ws``.
 """
