@@ -19,7 +19,8 @@ every batch layout and length.  Chunks are numbered globally: sequence n owns ch
   to seven per SM: K K^T by one wgmma, I + L~ into an fp16 tile inverted in place on tensor cores
   (``tile_inverse``). Faster where every v-head has its own keys (1.4x at H_v = H_qk on the H200, one v-head per
   CTA); where v-heads share a qk-head ``forward._gate_inverse`` takes ``kkt_inverse`` (at one v-head per CTA the
-  tensor-core kernel was level at two per qk-head and slower at four; two or four per CTA are not yet timed).
+  tensor-core kernel was level at two per qk-head and slower at four; two or four per CTA, measured on an H100, are
+  at best level with the grouped kernel: ``bench/results/2026-12-05-fwd-onchip-inverse.md``).
 
 The chunk recurrence that consumes T~ is ``chunk_recurrence.chunk_fwd_ws``.
 """
