@@ -23,7 +23,7 @@ BOUNDARY = re.compile(r"BAR\.SYNC|WARPGROUP\.DEPBAR|SYNCS\.ARRIVE")
 
 
 def kernels(path):
-    """Per profiled launch: ``(rows, reasons)``; a row is ``(address, sass, samples, {reason: samples})``."""
+    """Per profiled launch, its instructions as ``(address, sass, samples, {reason: samples})``."""
     out, header, rows = [], None, None
     for r in csv.reader(open(path)):
         if r and r[0] == "Kernel Name":
@@ -53,6 +53,7 @@ def loops(rows, min_len):
 
 
 def summary(rows, total):
+    """The table cells of a run of instructions: samples, their share of ``total``, the leading reasons."""
     samples = sum(r[2] for r in rows)
     reasons = collections.Counter()
     for r in rows:
