@@ -25,7 +25,9 @@ BOUNDARY = re.compile(r"BAR\.SYNC|WARPGROUP\.DEPBAR|SYNCS\.ARRIVE")
 def kernels(path):
     """Per profiled launch, its instructions as ``(address, sass, samples, {reason: samples})``."""
     out, header, rows = [], None, None
-    for r in csv.reader(open(path)):
+    with open(path) as f:
+        table = list(csv.reader(f))
+    for r in table:
         if r and r[0] == "Kernel Name":
             rows = []
             out.append(rows)
