@@ -1,9 +1,9 @@
 """The SM90 forward kernels lower and build for sm_90a on a machine without a GPU.
 
-Ten builds (CI has two cores, ~30 s each): the grouped inverse in both dtypes, the tensor-core one
+Eleven builds (CI has two cores, ~30 s each): the grouped inverse in both dtypes, the tensor-core one
 (``kkt_inverse_tc``) in bf16, the bf16 fused kernel with an initial state and the full V tile, the fp16 one with
-neither, so both branches of each flag compile,
-the split-state recurrence (bf16 with an initial state), the two context-parallel kernels (the pieces'
+neither, so both branches of each flag compile, the split-state recurrence (bf16 with an initial state; fp16
+without, forming its inverse on chip), the two context-parallel kernels (the pieces'
 transitions and the piece scan) and the varlen table kernel.
 ``python -m qla_compile.prebuild`` builds every variant.
 """
@@ -24,6 +24,7 @@ VARIANTS = [
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="bfloat16", has_h0=True, block_dv=128)),
     ("chunk_fwd_ws", dict(dk=128, dv=128, dtype="float16", has_h0=False, block_dv=64)),
     ("chunk_fwd_split", dict(dk=128, dv=128, dtype="bfloat16", has_h0=True)),
+    ("chunk_fwd_split", dict(dk=128, dv=128, dtype="float16", has_h0=False, inverse=True)),
     ("scan", dict(dk=128, dv=128, has_h0=True)),
     ("transitions", dict(dk=128, dv=128, dtype="bfloat16")),
     ("warmup_plan", dict()),
@@ -32,7 +33,8 @@ VARIANTS = [
 
 
 def _id(name, params):
-    return "-".join([name, params.get("dtype", params.get("cu_dtype", "fp32"))])
+    tags = [params.get("dtype", params.get("cu_dtype", "fp32"))] + ["inverse"] * params.get("inverse", False)
+    return "-".join([name] + tags)
 
 
 @pytest.mark.parametrize("name,params", VARIANTS, ids=[_id(n, p) for n, p in VARIANTS])
@@ -51,7 +53,7 @@ def test_builds_for_sm90a(name, params, tmp_path, monkeypatch):
         assert ("mma_sync" if name == "scan" else "wgmma") in source
     if name in ("chunk_fwd_ws", "chunk_fwd_split", "transitions"):
         assert "tma_load" in source  # inputs stream through the bulk tensor copy engine
-    if name == "kkt_inverse_tc":
+    if name == "kkt_inverse_tc" or params.get("inverse"):
         assert "mma.sync" in source  # the tile's inverse on tensor cores (tile_inverse)
     if name == "chunk_fwd_split":
         # V^T in and O^T out as 8x8 matrices (ldmatrix/stmatrix .trans), not element by element

@@ -61,6 +61,8 @@ _FULL_DV_MIN_CTAS = 88
 # taken where the chosen one would cut more (only sequences of about 200k tokens or more are affected), so
 # that the forward's context-parallel cache has a size known from shapes (:func:`cp_cache_numel`).
 _CP_MAX_EXTRA_PIECE_HEADS = 512
+# (sequence, v-head) pairs from which a forward alone forms its inverse on chip (``_onchip_inverse``)
+_ONCHIP_MIN_CTAS = 256
 
 
 @functools.cache
@@ -322,16 +324,30 @@ def _chunk_tables(n_tok, n_seq, h_v, device):
     return tt, gb, bad
 
 
+def _token_gates(g, beta, n_tok, h_v):
+    """The activated gates ``g``, ``beta`` (``[B, T, H_v]``, any float dtype) as the kernels read them: fp32
+    ``[n_tok, H_v]``."""
+    return (g.reshape(n_tok, h_v).to(torch.float32).contiguous(),
+            beta.reshape(n_tok, h_v).to(torch.float32).contiguous())
+
+
 def _gate_inverse(k3, g, beta, spans, tables, dtype):
     """``kkt_inverse`` into ``tables`` (from :func:`_chunk_tables`) for the packed ``k3``, the activated gates ``g``,
-    ``beta`` (``[B, T, H_v]``, any float dtype) and the chunk slots' ``spans`` (:func:`_tables`): one CTA per
-    (chunk, v-head) where each v-head has its own keys, else one per (chunk, qk-head, group of its v-heads), which
-    forms K K^T once for the group."""
+    ``beta`` and the chunk slots' ``spans`` (:func:`_tables`): one CTA per (chunk, v-head) where each v-head has its
+    own keys, else one per (chunk, qk-head, group of its v-heads), which forms K K^T once for the group."""
     n_tok, h_v = k3.shape[0], tables[1].shape[1]
-    g_tok = g.reshape(n_tok, h_v).to(torch.float32).contiguous()
-    b_tok = beta.reshape(n_tok, h_v).to(torch.float32).contiguous()
+    g_tok, b_tok = _token_gates(g, beta, n_tok, h_v)
     kernel = kkt_inverse.kkt_inverse_tc if h_v == k3.shape[1] else kkt_inverse.kkt_inverse
     kernel(dk=k3.shape[2], dtype=dtype)(k3, g_tok, b_tok, spans, *tables)
+
+
+def _onchip_inverse(h_qk, h_v, n_ctas):
+    """Whether an unsplit forward alone over all of V forms its gate tables and inverse inside the split-state
+    recurrence (``chunk_fwd_split(inverse=True)``) instead of launching ``kkt_inverse`` before it: where every v-head
+    has its own keys and ``n_ctas`` (sequence, v-head) pairs fill the SMs about twice, where it was faster (H100:
+    1.08-1.09x at 32/32 4096x8 and 512x64; 0.94-0.98x at 16/16 with 128 pairs; slower at GVA 2 and 4, where
+    ``kkt_inverse`` forms K K^T once per group of v-heads)."""
+    return h_v == h_qk and n_ctas >= _ONCHIP_MIN_CTAS
 
 
 def _block_dv(n_ctas, dv):
@@ -461,9 +477,11 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
     cu, offsets, order, spans = _tables(cu_seqlens, B, T, q.device)
-    _gate_inverse(k3, g, beta, spans, (tt, gb, bad), dtype)
-
     cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device, for_backward)
+    onchip = (cp is None and not for_backward and _block_dv(n_seq * h_v, dv) == dv
+              and _onchip_inverse(h_qk, h_v, n_seq * h_v))
+    if not onchip:
+        _gate_inverse(k3, g, beta, spans, (tt, gb, bad), dtype)
     if cp is not None:
         o, ht, filled = _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, cp, for_backward, cache)
         if for_backward:  # an explicit context_parallel may need more than the chosen plans' bound
@@ -474,8 +492,12 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
-    kernel = _state_kernel(dk, dv, dtype, has_h0, n_seq * h_v, pdl=True)  # it starts as kkt_inverse's last CTAs run
-    kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], h0, float(scale), o, ht)  # cu[:1] = [0]: walk n to row n
+    if onchip:
+        kernel = split_state_recurrence.chunk_fwd_split(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, inverse=True)
+        kernel(q3, k3, v3, *_token_gates(g, beta, n_tok, h_v), cu, order, cu[:1], h0, float(scale), o, ht)
+    else:
+        kernel = _state_kernel(dk, dv, dtype, has_h0, n_seq * h_v, pdl=True)  # it starts as kkt_inverse's last CTAs run
+        kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], h0, float(scale), o, ht)  # cu[:1] = [0]: walk n to row n
     return o.view(B, T, h_v, dv), ht, tt, gb, offsets, cache
 
 

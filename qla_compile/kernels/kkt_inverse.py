@@ -254,9 +254,9 @@ def kkt_inverse(*, dk: int, dtype: str):
 def kkt_inverse_tc(*, dk: int, dtype: str, heads: int = 1):
     """:func:`kkt_inverse`'s outputs (T~, ``gb``, ``bad``; same call), the inverse on tensor cores: one CTA (one
     warpgroup) per chunk and ``heads`` v-heads of one qk-head (1, 2 or 4, dividing H_v / H_qk). K by TMA, K K^T by
-    one wgmma (fp32, kept in registers for the CTA's v-heads); per v-head, I + L~ rounded to fp16 into a padded tile
-    and the contraction flags from the fragment's diagonal, then the tile inverted in place by ``tile_inverse``
-    (block doubling on tensor cores) and stored as T~. ~30 KB of shared memory and 58 registers (``heads`` = 1), so
+    one wgmma (fp32, kept in registers for the CTA's v-heads); per v-head, diag(beta) K K^T rounded to fp16 into a
+    padded tile (unmasked: the inverse reads L~ only) and the contraction flags from the fragment's diagonal, then the
+    tile inverted in place by ``tile_inverse`` (block doubling on tensor cores) and stored as T~. ~30 KB of shared memory and 58 registers (``heads`` = 1), so
     seven CTAs share an SM."""
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
@@ -311,9 +311,7 @@ def kkt_inverse_tc(*, dk: int, dtype: str, heads: int = 1):
                 T.cumsum(gt_s, dim=1)
                 for h in T.serial(HB):
                     for i, j in T.Parallel(C, C):
-                        t_s[i * TS + j] = T.cast(T.if_then_else(i > j, bt_s[h, i] * p_f[i, j],
-                                                                T.if_then_else(i == j, T.float32(1), T.float32(0))),
-                                                 half)
+                        t_s[i * TS + j] = T.cast(bt_s[h, i] * p_f[i, j], half)  # the inverse reads L~ only
                         if i == j:  # |k_i|^2 on the diagonal
                             if (bt_s[h, i] < 0) | (bt_s[h, i] * p_f[i, j] > 2):
                                 bad_s[h] = 1

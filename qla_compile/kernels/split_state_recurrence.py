@@ -36,11 +36,44 @@ import tilelang.language as T
 from tilelang.layout import Fragment, make_swizzled_layout
 
 from ._build import compiled
-from .chunk_recurrence import _PTX, _exp, _gamma_times, _lg2
+from .chunk_recurrence import (_CLOCK, _LOG2E, _PTX, TRACE_CHUNKS, TRACE_CTAS, TRACE_EVENTS, _ex2, _exp,
+                               _gamma_times, _lg2)
 from .chunking import CHUNK
+from .tile_inverse import CUDA as TILE_INVERSE_CUDA
+from .tile_inverse import TILE_STRIDE
 
 # setmaxnreg per warpgroup (aux, state 0, state 1, producer): sums to 512 = 65536 registers / 128.
 _NREG = (104, 192, 192, 24)
+LV_BIT = 1 << 30  # i & LV_BIT is 0 (fewer chunks), but not provably: masks stay inside the chunk loop
+_AUX_BARRIER = 8  # the aux warpgroup's named barrier with ``inverse`` (TileLang's own are 0 and 3-5)
+# with ``inverse``: a producer warp's gate tables, [gamma; beta] of one chunk and v-head by a warp scan, and the
+# state warpgroups' column tables from them (``column_tables``'s e_b, scale e_b, r_b), off the aux warpgroup's path
+_GATE_SCAN = r"""
+__device__ __forceinline__ void qla_gate_scan(const float* g, const float* beta, int stride, int length, float scale,
+                                              float* gb, float* cf, int lane) {
+  int i0 = 2 * lane, i1 = i0 + 1;
+  float g0 = i0 < length ? g[i0 * stride] : 0.f, g1 = i1 < length ? g[i1 * stride] : 0.f;
+  float b0 = i0 < length ? beta[i0 * stride] : 0.f, b1 = i1 < length ? beta[i1 * stride] : 0.f;
+  float s = g0 + g1;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    float t = __shfl_up_sync(0xffffffffu, s, o);
+    if (lane >= o) s += t;
+  }
+  float last = __shfl_sync(0xffffffffu, s, 31), c0 = s - g1;
+  gb[i0] = c0;
+  gb[i1] = s;
+  gb[64 + i0] = b0;
+  gb[64 + i1] = b1;
+  float e0 = qla_ex2(c0 * QLA_LOG2E), e1 = qla_ex2(s * QLA_LOG2E);
+  cf[i0] = e0;
+  cf[i1] = e1;
+  cf[64 + i0] = e0 * scale;
+  cf[64 + i1] = e1 * scale;
+  cf[128 + i0] = i0 < length ? qla_ex2((last - c0) * QLA_LOG2E) : 0.f;
+  cf[128 + i1] = i1 < length ? qla_ex2((last - s) * QLA_LOG2E) : 0.f;
+}
+""".replace("QLA_LOG2E", f"{_LOG2E!r}f")
 
 
 def _acc(rows, cols, transposed=False):
@@ -61,9 +94,11 @@ def _acc(rows, cols, transposed=False):
 
 
 @compiled
-def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
+def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool = False, trace: bool = False):
     """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0,
-    scale, o, ht)``, the arguments of ``chunk_recurrence.chunk_fwd_ws`` in output mode."""
+    scale, o, ht)``, the arguments of ``chunk_recurrence.chunk_fwd_ws`` in output mode. With ``inverse`` the kernel
+    forms the gate tables and A_g itself, from the fp32 ``g`` and ``beta`` ``[n_tok, H_v]``: call as ``kernel(q, k,
+    v, g, beta, cu_seqlens, order, ht_rows, h0, scale, o, ht)``."""
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
@@ -72,27 +107,43 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
     n_ht = T.dynamic("n_ht")
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
-    C, HW = CHUNK, dv // 2  # HW: the values of v per state warpgroup
+    C, HW, TS = CHUNK, dv // 2, TILE_STRIDE  # HW: the values of v per state warpgroup
+
+    if trace:
+
+        @T.macro
+        def mark(tr, hv, rank, wg, j, event):
+            """The SM's clock into the timeline: warpgroup ``wg`` (None: no mark), chunk ``j``, event ``event``."""
+            tx = T.get_thread_binding()
+            if wg is None:
+                pass
+            elif (tx % 128 == 0) & (rank == 0) & (hv < TRACE_CTAS) & (j < TRACE_CHUNKS):
+                tr[hv, wg, j, event] = T.call_extern("int64", "qla_clock")
+
+    else:
+
+        def mark(*_):
+            """No timeline: nothing enters the kernel."""
     acc, half = "float32", "float16"
     DH = dk // 2  # a half of d: the stacked [K; Q] tiles are 64 columns wide
 
     @T.macro
-    def uo_products(a_lo, a_hi, kq_st, uo_f):
-        """[U^T | O^T] = S^T [K; Q]^T as one m64n128 chain over the two K halves."""
-        T.wgmma_gemm(a_lo, kq_st[0], uo_f, transpose_B=True, clear_accum=True)
-        T.wgmma_gemm(a_hi, kq_st[1], uo_f, transpose_B=True)
+    def uo_products(a_lo, a_hi, kq, r, uo_f):
+        """[U^T | O^T] = S^T [K; Q]^T as one m64n128 chain over the two K halves (the stage's rows from ``r``)."""
+        T.wgmma_gemm(a_lo, kq[0][r : r + 2 * C, :], uo_f, transpose_B=True, clear_accum=True)
+        T.wgmma_gemm(a_hi, kq[1][r : r + 2 * C, :], uo_f, transpose_B=True)
 
     @T.macro
-    def update(vr, kq_st, s_lo, s_hi):
+    def update(vr, kq, r, s_lo, s_hi):
         """S^T += (r o V'^T) K, K's two column halves from the stacked tiles."""
-        T.wgmma_gemm(vr, kq_st[0][0:C, :], s_lo)
-        T.wgmma_gemm(vr, kq_st[1][0:C, :], s_hi)
+        T.wgmma_gemm(vr, kq[0][r : r + C, :], s_lo)
+        T.wgmma_gemm(vr, kq[1][r : r + C, :], s_hi)
 
     @T.macro
-    def qk_product(kq_st, p_f):
-        """Q K^T from the stacked tiles, over the two halves of d."""
-        T.wgmma_gemm(kq_st[0][C : 2 * C, :], kq_st[0][0:C, :], p_f, transpose_B=True, clear_accum=True)
-        T.wgmma_gemm(kq_st[1][C : 2 * C, :], kq_st[1][0:C, :], p_f, transpose_B=True)
+    def qk_product(kq, r, p_f, r0=C):
+        """Q K^T (``r0`` = C), or K K^T (``r0`` = 0), from the stacked tiles, over the two halves of d."""
+        T.wgmma_gemm(kq[0][r + r0 : r + r0 + C, :], kq[0][r : r + C, :], p_f, transpose_B=True, clear_accum=True)
+        T.wgmma_gemm(kq[1][r + r0 : r + r0 + C, :], kq[1][r : r + C, :], p_f, transpose_B=True)
 
     @T.macro
     def gate_inverse(t, a_h, gb_s, st):
@@ -104,12 +155,23 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
         T.copy(a_h, t)
 
     @T.macro
-    def load_kq(q, k, tiles, start, hk, full, st):
-        """The stage's K and Q, each half of d into the row ranges [0, C) and [C, 2 C) of that half's tile."""
-        T.tma_copy(k[start : start + C, hk, 0:DH], tiles[0][0:C, :], barrier=full[st])
-        T.tma_copy(q[start : start + C, hk, 0:DH], tiles[0][C : 2 * C, :], barrier=full[st])
-        T.tma_copy(k[start : start + C, hk, DH:dk], tiles[1][0:C, :], barrier=full[st])
-        T.tma_copy(q[start : start + C, hk, DH:dk], tiles[1][C : 2 * C, :], barrier=full[st])
+    def column_tables(cf_s, gb_s, st, length, scale):
+        """The state warpgroups' per-column tables of the stage's chunk: e_b, scale e_b, r_b (0 past the end); with
+        ``inverse`` the tables' warp forms them in ``qla_gate_scan`` instead."""
+        for b in T.Parallel(C):
+            cf_s[st, 0, b] = _exp(gb_s[st, 0, b])
+            cf_s[st, 1, b] = _exp(gb_s[st, 0, b]) * scale
+            cf_s[st, 2, b] = _exp(gb_s[st, 0, C - 1] - gb_s[st, 0, b]) * T.cast(b < length, acc)
+
+    @T.macro
+    def load_kq(q, k, kq, start, hk, full, st):
+        """The stage's K and Q, each half of d into the rows [2 C st, 2 C st + C) and [2 C st + C, 2 C st + 2 C) of
+        that half's ring."""
+        r = st * 2 * C
+        T.tma_copy(k[start : start + C, hk, 0:DH], kq[0][r : r + C, :], barrier=full[st])
+        T.tma_copy(q[start : start + C, hk, 0:DH], kq[0][r + C : r + 2 * C, :], barrier=full[st])
+        T.tma_copy(k[start : start + C, hk, DH:dk], kq[1][r : r + C, :], barrier=full[st])
+        T.tma_copy(q[start : start + C, hk, DH:dk], kq[1][r + C : r + 2 * C, :], barrier=full[st])
 
     @T.macro
     def load_v(v, tiles, start, hv, full, st):
@@ -129,8 +191,8 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
                     o[start + a, hv, w * HW + b] = o_w[a, b]
 
     @T.macro
-    def state_half(w, kq, vb, ttb, gb_s, cf_s, pb, o_w, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows,
-                   seq, hv, bos, seqlen, n_iter):
+    def state_half(w, kq, vb, ttb, gb_s, cf_s, pb, o_w, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows, seq, hv,
+                   bos, seqlen, n_iter, tr, rank):
         """State warpgroup ``w``: rows v in [w HW, (w + 1) HW) of S^T and O^T. ``vb``: its V tile of each stage,
         ``o_w``: its O tile (whole 2-D buffers: TileLang lowers copies of those to ldmatrix/stmatrix)."""
         T.set_max_nreg(_NREG[1 + w], 1)
@@ -161,18 +223,20 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
             ph = (i // 2) % 2
             start = bos + i * C
             length = T.min(seqlen - i * C, C)
+            mark(tr, hv, rank, 1 if w == 0 else None, i, 0)
             T.barrier_wait(full[st], ph)
+            mark(tr, hv, rank, 1 if w == 0 else None, i, 1)
             for a, d in T.Parallel(HW, DH):
                 a_lo[a, d] = T.cast(s_lo[a, d], dtype)
                 a_hi[a, d] = T.cast(s_hi[a, d], dtype)
+            uo_products(a_lo, a_hi, kq, st * 2 * C, uo_f)
             if st == 0:
-                uo_products(a_lo, a_hi, kq[0], uo_f)
                 T.copy(vb[0], vt)
             else:
-                uo_products(a_lo, a_hi, kq[1], uo_f)
                 T.copy(vb[1], vt)
             decay = _exp(gb_s[st, 0, C - 1])
             T.barrier_wait(ag_ready[st], ph)
+            mark(tr, hv, rank, 1 if w == 0 else None, i, 2)
             T.wait_wgmma(0)
             for a, b in T.Parallel(HW, C):
                 w_h[a, b] = T.cast(T.cast(vt[b, a], acc) - cf_s[st, 0, b] * uo_f[a, b], half)
@@ -188,12 +252,12 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
                 vp_h[a, b] = T.cast(vp_f[a, b], half)
                 vr[a, b] = T.cast(vp_f[a, b] * cf_s[st, 2, b], dtype)
             T.barrier_wait(p_ready[st], ph)
+            mark(tr, hv, rank, 1 if w == 0 else None, i, 3)
             if st == 0:
                 T.wgmma_gemm(vp_h, pb[0], o2_f, transpose_B=True, clear_accum=True)
-                update(vr, kq[0], s_lo, s_hi)
             else:
                 T.wgmma_gemm(vp_h, pb[1], o2_f, transpose_B=True, clear_accum=True)
-                update(vr, kq[1], s_lo, s_hi)
+            update(vr, kq, st * 2 * C, s_lo, s_hi)
             T.wait_wgmma(2)  # P_g V' done (the two state products may still run)
             for a, b in T.Parallel(HW, C):
                 ot[b, a] = T.cast(uo_f[a, C + b] * cf_s[st, 1, b] + o2_f[a, b], dtype)
@@ -202,12 +266,231 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
             store_o(o_w, o, start, length, hv, w)
             T.wait_wgmma(0)
             T.barrier_arrive(empty[st])
+            mark(tr, hv, rank, 1 if w == 0 else None, i, 4)
         T.tma_store_wait(0)
         row = T.alloc_var("int32", init=T.if_then_else(n_rows == n_seq1 - 1, ht_rows[seq], seq))
         if row >= 0:
             for a, d in T.Parallel(HW, DH):
                 ht[row, hv, d, w * HW + a] = s_lo[a, d]
                 ht[row, hv, DH + d, w * HW + a] = s_hi[a, d]
+
+    @T.macro
+    def fill_tile(t_s, p_f, gb_s, st):
+        """diag(beta) K K^T rounded to fp16 into the padded tile ``t_s`` from K K^T in ``p_f``: whole, as the tile
+        inverse reads only its strictly lower triangle, L~."""
+        for a, b in T.Parallel(C, C):  # in registers first: stores into shared memory would force reloading beta
+            p_f[a, b] = p_f[a, b] * gb_s[st, 1, a]
+        for a, b in T.Parallel(C, C):
+            t_s[a * TS + b] = T.cast(p_f[a, b], half)
+
+    @T.macro
+    def invert_tile(t_s, scratch, tr, hv, rank, i):
+        """(I + L~)^-1 in place over the tile, by ``tile_inverse``."""
+        if trace:
+            idx = T.if_then_else((rank == 0) & (hv < TRACE_CTAS) & (i < TRACE_CHUNKS),
+                                 ((hv * 4 + 2) * TRACE_CHUNKS + i) * TRACE_EVENTS, -1)
+            T.call_extern("handle", f"qla_tile_inverse<{_AUX_BARRIER}>", T.address_of(t_s[0]),
+                          T.address_of(scratch[0]), T.address_of(tr[0, 0, 0, 0]), idx)
+        else:
+            T.call_extern("handle", f"qla_tile_inverse<{_AUX_BARRIER}>", T.address_of(t_s[0]),
+                          T.address_of(scratch[0]))
+
+    @T.macro
+    def gate_factors(e_h, gb_s, st, lv):
+        """Gamma of the stage's chunk in fp16, 0 above the diagonal, into ``e_h``: A_g's and P_g's factors both."""
+        for a, b in T.Parallel(C, C):
+            e_h[a, b] = T.cast(_ex2(T.min(gb_s[st, 0, a] * _LOG2E - gb_s[st, 0, b] * _LOG2E, T.float32(0))
+                                    + T.Select(b <= a + lv, T.float32(0), T.float32(-1e30))), half)
+
+    @T.macro
+    def gate_tile(t_s, a_h, e_h, gb_s, st, tr, hv, rank, i):
+        """A_g = Gamma o T~ o beta_col of the inverted tile into the fragment ``a_h``."""
+        for a, b in T.Parallel(C, C):  # the tile into registers first (pairs of columns per load)
+            a_h[a, b] = t_s[a * TS + b]
+        for a, b in T.Parallel(C, C):
+            a_h[a, b] = a_h[a, b] * e_h[a, b] * T.cast(gb_s[st, 1, b], half)
+        mark(tr, hv, rank, 2, i, 6)
+
+    @T.macro
+    def body(q, k, v, tt, gb, g, beta, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, o, ht, tr):
+        # the sequence is the slowest grid dimension: CTAs start in ``order``, every head of a sequence together
+        with T.Kernel(h_v, n_seq1 - 1, threads=512) as (hv, rank):
+            T.import_source(_PTX + (TILE_INVERSE_CUDA + _GATE_SCAN if inverse else "") + (_CLOCK if trace else ""))
+            # two-stage input ring, filled by TMA (and with ``inverse`` the tables' warp)
+            # [half of d]: per stage, K in rows [2 C st, 2 C st + C) and Q in the next C (wgmma operands and TMA
+            # destinations at a row offset, so the products are issued from one copy of the code for both stages)
+            kq = [T.alloc_shared((4 * C, DH), dtype) for _ in range(2)]
+            vb = [[T.alloc_shared((C, HW), dtype) for _ in range(2)] for _ in range(2)]  # [stage][half] V
+            ttb = [T.alloc_shared((C, C), half) for _ in range(2)]  # A_g per stage (over T~, which the ring loads)
+            gb_s = T.alloc_shared((2, 2, C), acc)  # [gamma; beta]
+            # the aux warpgroup's products, per stage: the column tables e_b, scale e_b, r_b; P_g
+            cf_s = T.alloc_shared((2, 3, C), acc)
+            pb = [T.alloc_shared((C, C), half) for _ in range(2)]
+            ob = [T.alloc_shared((C, HW), dtype) for _ in range(2)]  # O per state warpgroup
+            T.annotate_layout({b: make_swizzled_layout(b) for b in sum(vb, []) + ttb + pb + ob})
+
+            full = T.alloc_barrier([96, 96])  # 3 producer warps + TMA bytes
+            empty = T.alloc_barrier([384, 384])  # every consumer thread
+            ag_ready = T.alloc_barrier([128, 128])  # the column tables and A_g of the stage
+            p_ready = T.alloc_barrier([128, 128])  # P_g of the stage
+
+            seq = T.alloc_var("int32", init=order[rank])
+            hk = hv // (h_v // h_qk)
+            bos = cu_seqlens[seq]
+            seqlen = cu_seqlens[seq + 1] - bos
+            if not inverse:
+                coff = chunk_offsets[seq]
+            n_iter = T.ceildiv(seqlen, C)
+            tx = T.get_thread_binding()
+
+            if tx < 128:  # WG0: the aux warpgroup
+                T.set_max_nreg(_NREG[0], 0)
+                a_h = T.alloc_fragment((C, C), half)
+                p_f = T.alloc_fragment((C, C), acc)
+                T.annotate_layout({a_h: _acc(C, C)})
+                if inverse:
+                    e_h = T.alloc_fragment((C, C), half)  # Gamma of the chunk
+                    T.annotate_layout({e_h: _acc(C, C)})
+                    t_s = T.alloc_shared((C * TS,), half)  # I + L~, then its inverse: rows TS halves apart
+                    scratch = T.alloc_shared((1024,), acc)  # the inverse's C A^-1
+                if not inverse:
+                    log2_scale = _lg2(scale)
+                for i in T.serial(n_iter):
+                    st = i % 2
+                    mark(tr, hv, rank, 0, i, 0)
+                    T.barrier_wait(full[st], (i // 2) % 2)
+                    mark(tr, hv, rank, 0, i, 1)
+                    if inverse:
+                        # K K^T first: the fill waits for it
+                        qk_product(kq, st * 2 * C, p_f, 0)
+                    if not inverse:  # with the inverse on chip the tables' warp forms them
+                        column_tables(cf_s, gb_s, st, T.min(seqlen - i * C, C), scale)
+                    if inverse:
+                        lv = i & LV_BIT
+                        T.wait_wgmma(0)
+                        mark(tr, hv, rank, 0, i, 2)
+                        fill_tile(t_s, p_f, gb_s, st)
+                        gate_factors(e_h, gb_s, st, lv)
+                        invert_tile(t_s, scratch, tr, hv, rank, i)
+                        gate_tile(t_s, a_h, e_h, gb_s, st, tr, hv, rank, i)
+                        mark(tr, hv, rank, 0, i, 3)
+                        if st == 0:
+                            T.copy(a_h, ttb[0])
+                        else:
+                            T.copy(a_h, ttb[1])
+                        T.fence_proxy_async()
+                        T.barrier_arrive(ag_ready[st])
+                        mark(tr, hv, rank, 0, i, 4)
+                        qk_product(kq, st * 2 * C, p_f)
+                    else:
+                        if st == 0:
+                            gate_inverse(ttb[0], a_h, gb_s, st)
+                        else:
+                            gate_inverse(ttb[1], a_h, gb_s, st)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(ag_ready[st])
+                        # Q K^T only now: a wgmma issued earlier waits behind the state warpgroups' in the tensor
+                        # pipe and holds up everything after it
+                        qk_product(kq, st * 2 * C, p_f)
+                    T.wait_wgmma(0)
+                    if inverse:  # P_g in fp16 (as the tile it goes to), into A_g's fragment
+                        for a, b in T.Parallel(C, C):
+                            a_h[a, b] = T.cast(p_f[a, b] * scale, half) * e_h[a, b]
+                        if st == 0:
+                            T.copy(a_h, pb[0])
+                        else:
+                            T.copy(a_h, pb[1])
+                    else:
+                        for a, b in T.Parallel(C, C):
+                            p_f[a, b] = p_f[a, b] * _gamma_times(gb_s, st, a, b, row_log2=log2_scale)
+                        if st == 0:
+                            T.copy(p_f, pb[0])
+                        else:
+                            T.copy(p_f, pb[1])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(p_ready[st])
+                    T.barrier_arrive(empty[st])
+                    mark(tr, hv, rank, 0, i, 5)
+            elif tx < 256:
+                state_half(0, kq, [vb[0][0], vb[1][0]], ttb, gb_s, cf_s, pb, ob[0], full, empty, ag_ready,
+                           p_ready, h0, o, ht, ht_rows, seq, hv, bos, seqlen, n_iter, tr, rank)
+            elif tx < 384:
+                state_half(1, kq, [vb[0][1], vb[1][1]], ttb, gb_s, cf_s, pb, ob[1], full, empty, ag_ready,
+                           p_ready, h0, o, ht, ht_rows, seq, hv, bos, seqlen, n_iter, tr, rank)
+            else:  # WG3: producer warps
+                T.set_max_nreg(_NREG[3], 0)
+                if (tx >= 448) & (tx < 480):  # the tables' warp (q, k, v may load before the previous kernel ends)
+                    T.pdl_sync()
+                for i in T.serial(n_iter):
+                    st = i % 2
+                    start = bos + i * C
+                    if tx < 416:
+                        mark(tr, hv, rank, 3, i, 0)
+                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
+                        mark(tr, hv, rank, 3, i, 1)
+                        load_kq(q, k, kq, start, hk, full, st)
+                        T.barrier_arrive(full[st])
+                    elif tx < 448:
+                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
+                        if st == 0:
+                            load_v(v, vb[0], start, hv, full, st)
+                        else:
+                            load_v(v, vb[1], start, hv, full, st)
+                        T.barrier_arrive(full[st])
+                    elif tx < 480:
+                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
+                        if inverse:
+                            T.call_extern("handle", "qla_gate_scan", T.address_of(g[start, hv]),
+                                          T.address_of(beta[start, hv]), h_v, T.min(seqlen - i * C, C), scale,
+                                          T.address_of(gb_s[st, 0, 0]), T.address_of(cf_s[st, 0, 0]), tx % 32)
+                        else:
+                            if st == 0:
+                                T.tma_copy(tt[coff + i, hv, :, :], ttb[0], barrier=full[st])
+                            else:
+                                T.tma_copy(tt[coff + i, hv, :, :], ttb[1], barrier=full[st])
+                            T.tma_copy(gb[coff + i, hv, :, :], gb_s[st, :, :], barrier=full[st])
+                        T.barrier_arrive(full[st])
+
+    if inverse and trace:
+        @T.prim_func
+        def kernel_onchip_traced(
+            q: T.Tensor((n_tok, h_qk, dk), dtype),
+            k: T.Tensor((n_tok, h_qk, dk), dtype),
+            v: T.Tensor((n_tok, h_v, dv), dtype),
+            g: T.Tensor((n_tok, h_v), acc),
+            beta: T.Tensor((n_tok, h_v), acc),
+            cu_seqlens: T.Tensor((n_seq1,), "int32"),
+            order: T.Tensor((n_seq1 - 1,), "int32"),
+            ht_rows: T.Tensor((n_rows,), "int32"),
+            h0: T.Tensor((n_h0, h_v, dk, dv), acc),
+            scale: T.float32,
+            o: T.Tensor((n_tok, h_v, dv), dtype),
+            ht: T.Tensor((n_ht, h_v, dk, dv), acc),
+            tr: T.Tensor((TRACE_CTAS, 4, TRACE_CHUNKS, TRACE_EVENTS), "int64"),
+        ):
+            body(q, k, v, None, None, g, beta, cu_seqlens, None, order, ht_rows, h0, scale, o, ht, tr)
+
+        return kernel_onchip_traced
+
+    if inverse:
+        @T.prim_func
+        def kernel_onchip(
+            q: T.Tensor((n_tok, h_qk, dk), dtype),
+            k: T.Tensor((n_tok, h_qk, dk), dtype),
+            v: T.Tensor((n_tok, h_v, dv), dtype),
+            g: T.Tensor((n_tok, h_v), acc),
+            beta: T.Tensor((n_tok, h_v), acc),
+            cu_seqlens: T.Tensor((n_seq1,), "int32"),
+            order: T.Tensor((n_seq1 - 1,), "int32"),
+            ht_rows: T.Tensor((n_rows,), "int32"),
+            h0: T.Tensor((n_h0, h_v, dk, dv), acc),
+            scale: T.float32,
+            o: T.Tensor((n_tok, h_v, dv), dtype),
+            ht: T.Tensor((n_ht, h_v, dk, dv), acc),
+        ):
+            body(q, k, v, None, None, g, beta, cu_seqlens, None, order, ht_rows, h0, scale, o, ht, None)
+
+        return kernel_onchip
 
     @T.prim_func
     def kernel(
@@ -225,109 +508,13 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool):
         o: T.Tensor((n_tok, h_v, dv), dtype),
         ht: T.Tensor((n_ht, h_v, dk, dv), acc),
     ):
-        # the sequence is the slowest grid dimension: CTAs start in ``order``, every head of a sequence together
-        with T.Kernel(h_v, n_seq1 - 1, threads=512) as (hv, rank):
-            T.import_source(_PTX)
-            # two-stage input ring, filled by TMA
-            kq = [[T.alloc_shared((2 * C, DH), dtype) for _ in range(2)] for _ in range(2)]  # [stage][half of d]
-            vb = [[T.alloc_shared((C, HW), dtype) for _ in range(2)] for _ in range(2)]  # [stage][half] V
-            ttb = [T.alloc_shared((C, C), half) for _ in range(2)]  # T~ per stage, overwritten by A_g
-            gb_s = T.alloc_shared((2, 2, C), acc)  # [gamma; beta]
-            # the aux warpgroup's products, per stage: the column tables e_b, scale e_b, r_b; P_g
-            cf_s = T.alloc_shared((2, 3, C), acc)
-            pb = [T.alloc_shared((C, C), half) for _ in range(2)]
-            ob = [T.alloc_shared((C, HW), dtype) for _ in range(2)]  # O per state warpgroup
-            T.annotate_layout({b: make_swizzled_layout(b) for b in vb[0] + vb[1] + ttb + pb + ob})
-
-            full = T.alloc_barrier([96, 96])  # 3 producer warps + TMA bytes
-            empty = T.alloc_barrier([384, 384])  # every consumer thread
-            ag_ready = T.alloc_barrier([128, 128])  # the column tables and A_g of the stage
-            p_ready = T.alloc_barrier([128, 128])  # P_g of the stage
-
-            seq = T.alloc_var("int32", init=order[rank])
-            hk = hv // (h_v // h_qk)
-            bos = cu_seqlens[seq]
-            seqlen = cu_seqlens[seq + 1] - bos
-            coff = chunk_offsets[seq]
-            n_iter = T.ceildiv(seqlen, C)
-            tx = T.get_thread_binding()
-
-            if tx < 128:  # WG0: the aux warpgroup
-                T.set_max_nreg(_NREG[0], 0)
-                a_h = T.alloc_fragment((C, C), half)
-                p_f = T.alloc_fragment((C, C), acc)
-                T.annotate_layout({a_h: _acc(C, C)})
-                log2_scale = _lg2(scale)
-                for i in T.serial(n_iter):
-                    st = i % 2
-                    length = T.min(seqlen - i * C, C)
-                    T.barrier_wait(full[st], (i // 2) % 2)
-                    for b in T.Parallel(C):
-                        cf_s[st, 0, b] = _exp(gb_s[st, 0, b])
-                        cf_s[st, 1, b] = _exp(gb_s[st, 0, b]) * scale
-                        cf_s[st, 2, b] = _exp(gb_s[st, 0, C - 1] - gb_s[st, 0, b]) * T.cast(b < length, acc)
-                    if st == 0:
-                        gate_inverse(ttb[0], a_h, gb_s, st)
-                    else:
-                        gate_inverse(ttb[1], a_h, gb_s, st)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(ag_ready[st])
-                    # Q K^T only now: a wgmma issued earlier waits behind the state warpgroups' in the tensor
-                    # pipe and holds up everything after it
-                    if st == 0:
-                        qk_product(kq[0], p_f)
-                    else:
-                        qk_product(kq[1], p_f)
-                    T.wait_wgmma(0)
-                    for a, b in T.Parallel(C, C):
-                        p_f[a, b] = p_f[a, b] * _gamma_times(gb_s, st, a, b, row_log2=log2_scale)
-                    if st == 0:
-                        T.copy(p_f, pb[0])
-                    else:
-                        T.copy(p_f, pb[1])
-                    T.fence_proxy_async()
-                    T.barrier_arrive(p_ready[st])
-                    T.barrier_arrive(empty[st])
-            elif tx < 256:
-                state_half(0, kq, [vb[0][0], vb[1][0]], ttb, gb_s, cf_s, pb, ob[0], full, empty, ag_ready,
-                           p_ready, h0, o, ht, ht_rows, seq, hv, bos, seqlen, n_iter)
-            elif tx < 384:
-                state_half(1, kq, [vb[0][1], vb[1][1]], ttb, gb_s, cf_s, pb, ob[1], full, empty, ag_ready,
-                           p_ready, h0, o, ht, ht_rows, seq, hv, bos, seqlen, n_iter)
-            else:  # WG3: producer warps
-                T.set_max_nreg(_NREG[3], 0)
-                if (tx >= 448) & (tx < 480):  # the T~ warp (q, k, v may load before the previous kernel ends)
-                    T.pdl_sync()
-                for i in T.serial(n_iter):
-                    st = i % 2
-                    start = bos + i * C
-                    if tx < 416:
-                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
-                        if st == 0:
-                            load_kq(q, k, kq[0], start, hk, full, st)
-                        else:
-                            load_kq(q, k, kq[1], start, hk, full, st)
-                        T.barrier_arrive(full[st])
-                    elif tx < 448:
-                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
-                        if st == 0:
-                            load_v(v, vb[0], start, hv, full, st)
-                        else:
-                            load_v(v, vb[1], start, hv, full, st)
-                        T.barrier_arrive(full[st])
-                    elif tx < 480:
-                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
-                        if st == 0:
-                            T.tma_copy(tt[coff + i, hv, :, :], ttb[0], barrier=full[st])
-                        else:
-                            T.tma_copy(tt[coff + i, hv, :, :], ttb[1], barrier=full[st])
-                        T.tma_copy(gb[coff + i, hv, :, :], gb_s[st, :, :], barrier=full[st])
-                        T.barrier_arrive(full[st])
+        body(q, k, v, tt, gb, None, None, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, o, ht, None)
 
     return kernel
 
 
 def variants():
-    """``(kernel name, params)`` of every variant (K = V = 128, bf16/fp16, with and without an initial state)."""
-    return [("chunk_fwd_split", dict(dk=128, dv=128, dtype=dtype, has_h0=has_h0))
-            for dtype in ("bfloat16", "float16") for has_h0 in (True, False)]
+    """``(kernel name, params)`` of every variant (K = V = 128, bf16/fp16, with and without an initial state, T~ read
+    or the inverse on chip)."""
+    return [("chunk_fwd_split", dict(dk=128, dv=128, dtype=dtype, has_h0=has_h0, inverse=inverse))
+            for dtype in ("bfloat16", "float16") for has_h0 in (True, False) for inverse in (False, True)]

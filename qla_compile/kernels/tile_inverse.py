@@ -2,13 +2,16 @@
 warpgroup (128 threads), for ``kkt_inverse.kkt_inverse_tc``.
 
 The tile is row-major and unswizzled, rows :data:`TILE_STRIDE` halves apart (144 B: the eight rows a lane group
-reads down a column fall in eight different banks); on entry L is strictly lower, the diagonal ones and the upper
-triangle zeros. Block doubling: the eight 8x8 diagonal blocks by substitution (64 threads, a column each, fp32), then
-for b = 8, 16, 32 every pair [[A, 0], [C, D]] of b x b diagonal blocks (A^-1, D^-1 already in place) gets
--D^-1 (C A^-1) over C. Level 8 runs on CUDA cores (fp32 sums, C A^-1 kept in fp32 in the scratch), levels 16 and 32
-by ``mma.sync`` m16n8k16 (fp16 operands, fp32 sums, C A^-1 rounded to fp16 in the scratch between the two
-products, as FlashInfer 0.7's T precompute does). Every product reads whole tiles: the upper triangles are zeros.
-Entry point: ``qla_tile_inverse(void* tile, void* scratch)``, ``scratch`` 4 KB of shared memory.
+reads down a column fall in eight different banks); on entry the strictly lower triangle holds L (what the diagonal
+and the upper triangle hold is not read: the inverse writes ones and zeros there). Block doubling: each warp inverts one 16x16 diagonal block on its own (its two 8x8 diagonal blocks
+by substitution in fp32, the block under them by two ``mma.sync`` m16n8k8), then for b = 16, 32 every pair
+[[A, 0], [C, D]] of b x b diagonal blocks (A^-1, D^-1 already in place) gets -D^-1 (C A^-1) over C, by ``mma.sync``
+m16n8k16. Every product has fp16 operands and fp32 sums, C A^-1 rounded to fp16 between its two products (in the
+scratch at levels 16 and 32), as FlashInfer 0.7's T precompute does; every product reads whole tiles: the upper
+triangles are zeros.
+Entry point: ``qla_tile_inverse<BAR>(void* tile, void* scratch)``, ``scratch`` 4 KB of shared memory; ``BAR`` is the
+barrier its 128 threads meet at between steps: 0 (the default) ``__syncthreads`` for a CTA of one warpgroup, else the
+named barrier ``BAR`` for one warpgroup of a larger CTA (``qla_wg_sync<BAR>``).
 """
 
 TILE_STRIDE = 72
@@ -16,65 +19,13 @@ TILE_STRIDE = 72
 CUDA = r"""
 #include <cuda_fp16.h>
 
-// the eight 8x8 diagonal blocks: thread tx < 64 solves column tx % 8 of block tx / 8 (its rows of L read first)
-__device__ __forceinline__ void qla_inv_diag8(__half* t, int tx) {
-  float l[28];
-  float x[8];
-  int c = tx & 7, o = (tx >> 3) * 8;
-  if (tx < 64) {
-    int n = 0;
-#pragma unroll
-    for (int r = 1; r < 8; ++r)
-#pragma unroll
-      for (int j = 0; j < r; ++j) l[n++] = __half2float(t[(o + r) * QLA_TS + o + j]);
+template <int BAR>
+__device__ __forceinline__ void qla_wg_sync() {
+  if (BAR == 0) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, 128;" ::"n"(BAR) : "memory");
   }
-  __syncthreads();
-  if (tx < 64) {
-    int n = 0;
-#pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      float s = (r == c) ? 1.f : 0.f;
-#pragma unroll
-      for (int j = 0; j < r; ++j) s -= l[n++] * x[j];
-      x[r] = s;
-    }
-#pragma unroll
-    for (int r = 1; r < 8; ++r)
-      if (r > c) t[(o + r) * QLA_TS + o + c] = __float2half(x[r]);
-  }
-  __syncthreads();
-}
-
-// level 8 on CUDA cores: warp p takes pair p; lane: row i of C, two consecutive columns j0, j0 + 1
-__device__ __forceinline__ void qla_inv_level8(__half* t, float* ys, int tx) {
-  int p = tx >> 5, i = (tx & 31) >> 2, j0 = (tx & 3) * 2;
-  int a0 = 16 * p, d0 = a0 + 8;
-  float acc0 = 0.f, acc1 = 0.f;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {  // Y = C A^-1 (A^-1 lower triangular: its zeros above the diagonal add nothing)
-    float cv = __half2float(t[(d0 + i) * QLA_TS + a0 + k]);
-    acc0 += cv * __half2float(t[(a0 + k) * QLA_TS + a0 + j0]);
-    acc1 += cv * __half2float(t[(a0 + k) * QLA_TS + a0 + j0 + 1]);
-  }
-  ys[(p * 8 + i) * 8 + j0] = acc0;
-  ys[(p * 8 + i) * 8 + j0 + 1] = acc1;
-  __syncthreads();
-  acc0 = 0.f;
-  acc1 = 0.f;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {  // -D^-1 Y
-    float dv = __half2float(t[(d0 + i) * QLA_TS + d0 + k]);
-    acc0 -= dv * ys[(p * 8 + k) * 8 + j0];
-    acc1 -= dv * ys[(p * 8 + k) * 8 + j0 + 1];
-  }
-  t[(d0 + i) * QLA_TS + a0 + j0] = __float2half(acc0);  // C was read before the sync
-  t[(d0 + i) * QLA_TS + a0 + j0 + 1] = __float2half(acc1);
-  __syncthreads();
-}
-
-__device__ __forceinline__ unsigned qla_pack(__half lo, __half hi) {
-  __half2 h = __halves2half2(lo, hi);
-  return *reinterpret_cast<unsigned*>(&h);
 }
 
 __device__ __forceinline__ void qla_mma(float* d, const unsigned* a, const unsigned* b) {
@@ -84,20 +35,64 @@ __device__ __forceinline__ void qla_mma(float* d, const unsigned* a, const unsig
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// A operand: rows r0..r0+15, cols c0..c0+15 of a row-major fp16 matrix (row stride ld)
-__device__ __forceinline__ void qla_frag_a(unsigned* a, const __half* m, int ld, int r0, int c0, int lane) {
-  int r = r0 + (lane >> 2), c = c0 + 2 * (lane & 3);
-  a[0] = *reinterpret_cast<const unsigned*>(&m[r * ld + c]);
-  a[1] = *reinterpret_cast<const unsigned*>(&m[(r + 8) * ld + c]);
-  a[2] = *reinterpret_cast<const unsigned*>(&m[r * ld + c + 8]);
-  a[3] = *reinterpret_cast<const unsigned*>(&m[(r + 8) * ld + c + 8]);
+// d += a b, m16n8k8 (fp16 operands: a two registers, b one; fp32 sums)
+__device__ __forceinline__ void qla_mma8(float* d, const unsigned* a, unsigned b) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(b));
 }
 
-// B operand (k x n = 16 x 8): rows k0.. (k), cols n0.. (n) of a row-major fp16 matrix (row stride ld)
+// A operand: rows r0..r0+15, cols c0..c0+15 of a row-major fp16 matrix (row stride ld halves, rows 16-byte aligned),
+// by one ldmatrix.x4: lane l names row r0 + l % 16 at column c0 + 8 (l / 16)
+__device__ __forceinline__ void qla_frag_a(unsigned* a, const __half* m, int ld, int r0, int c0, int lane) {
+  unsigned p = static_cast<unsigned>(__cvta_generic_to_shared(&m[(r0 + (lane & 15)) * ld + c0 + (lane >> 4) * 8]));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(p));
+}
+
+// B operand (k x n = 16 x 8): rows k0.. (k), cols n0.. (n) of a row-major fp16 matrix, by one ldmatrix.x2.trans:
+// lane l < 16 names row k0 + l (lanes 16..31 repeat them)
 __device__ __forceinline__ void qla_frag_b(unsigned* b, const __half* m, int ld, int k0, int n0, int lane) {
-  int k = k0 + 2 * (lane & 3), n = n0 + (lane >> 2);
-  b[0] = qla_pack(m[k * ld + n], m[(k + 1) * ld + n]);
-  b[1] = qla_pack(m[(k + 8) * ld + n], m[(k + 9) * ld + n]);
+  unsigned p = static_cast<unsigned>(__cvta_generic_to_shared(&m[(k0 + (lane & 15)) * ld + n0]));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(b[0]), "=r"(b[1]) : "r"(p));
+}
+
+// the four 16x16 diagonal blocks, warp w the w-th (no block-wide barrier): its two 8x8 diagonal blocks by
+// substitution (lane l < 16 solves column l % 8 of block 2w + l / 8 in fp32, L read from the tile as it goes), then
+// the 8x8 block under them, -D^-1 (C A^-1), by two m16n8k8 products (rows 8-15 of A zero; C A^-1 rounded to fp16
+// and transposed into the second product's B fragment by movmatrix); each lane writes back where it read C
+__device__ __forceinline__ void qla_inv_diag16(__half* t, int tx) {
+  int lane = tx & 31, a0 = (tx >> 5) * 16, d0 = a0 + 8;
+  float x[8];
+  int c = lane & 7, o = a0 + ((lane >> 3) & 1) * 8;
+  if (lane < 16) {
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      float s = (r == c) ? 1.f : 0.f;
+#pragma unroll
+      for (int j = 0; j < r; ++j) s -= __half2float(t[(o + r) * QLA_TS + o + j]) * x[j];
+      x[r] = s;
+    }
+  }
+  __syncwarp();
+  if (lane < 16) {  // the whole column: the diagonal one and the zeros above it too
+#pragma unroll
+    for (int r = 0; r < 8; ++r) t[(o + r) * QLA_TS + o + c] = __float2half(x[r]);
+  }
+  __syncwarp();
+  int gid = lane >> 2, col = 2 * (lane & 3);
+  unsigned a[2] = {*reinterpret_cast<const unsigned*>(&t[(d0 + gid) * QLA_TS + a0 + col]), 0u}, b;
+  unsigned p = static_cast<unsigned>(__cvta_generic_to_shared(&t[(a0 + (lane & 7)) * QLA_TS + a0]));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(b) : "r"(p));
+  float y[4] = {0.f, 0.f, 0.f, 0.f};
+  qla_mma8(y, a, b);  // Y = C A^-1
+  __half2 yh = __floats2half2_rn(y[0], y[1]);
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(b) : "r"(*reinterpret_cast<unsigned*>(&yh)));
+  a[0] = *reinterpret_cast<const unsigned*>(&t[(d0 + gid) * QLA_TS + d0 + col]);
+  float z[4] = {0.f, 0.f, 0.f, 0.f};
+  qla_mma8(z, a, b);  // D^-1 Y
+  *reinterpret_cast<__half2*>(&t[(d0 + gid) * QLA_TS + a0 + col]) = __floats2half2_rn(-z[0], -z[1]);
+  *reinterpret_cast<__half2*>(&t[(a0 + gid) * QLA_TS + d0 + col]) = __float2half2_rn(0.f);  // above: zeros
 }
 
 // acc = A[ra.., ca..] (16 x 16 KS) B[kb.., nb..] (16 KS x 8), both fp16 row-major (row strides lda, ldb)
@@ -129,7 +124,7 @@ __device__ __forceinline__ QlaLevelTile qla_level_tile(int warp, int w) {
 
 // level B (16 or 32) on tensor cores: Y = C A^-1 into the scratch (fp16, row stride B + 8), then -D^-1 Y over C;
 // the 16x8 output tiles of all pairs are dealt to the four warps
-template <int B>
+template <int B, int BAR>
 __device__ __forceinline__ void qla_inv_level_mma(__half* t, __half* yh, int tx) {
   constexpr int YS = B + 8, PER_WARP = (64 / (2 * B)) * (B / 16) * (B / 8) / 4;
   int warp = tx >> 5, lane = tx & 31, row = lane >> 2, col = 2 * (lane & 3);
@@ -142,7 +137,7 @@ __device__ __forceinline__ void qla_inv_level_mma(__half* t, __half* yh, int tx)
     *reinterpret_cast<__half2*>(&yh[y]) = __floats2half2_rn(acc[0], acc[1]);
     *reinterpret_cast<__half2*>(&yh[y + 8 * YS]) = __floats2half2_rn(acc[2], acc[3]);
   }
-  __syncthreads();
+  qla_wg_sync<BAR>();
 #pragma unroll
   for (int w = 0; w < PER_WARP; ++w) {
     QlaLevelTile u = qla_level_tile<B>(warp, w);
@@ -150,16 +145,31 @@ __device__ __forceinline__ void qla_inv_level_mma(__half* t, __half* yh, int tx)
     int x = (u.d0 + 16 * u.mt + row) * QLA_TS + u.a0 + 8 * u.nt + col;  // C was read before the sync
     *reinterpret_cast<__half2*>(&t[x]) = __floats2half2_rn(-acc[0], -acc[1]);
     *reinterpret_cast<__half2*>(&t[x + 8 * QLA_TS]) = __floats2half2_rn(-acc[2], -acc[3]);
+    int z = x - B * QLA_TS + B;  // the mirror place above the diagonal: zeros
+    *reinterpret_cast<__half2*>(&t[z]) = __float2half2_rn(0.f);
+    *reinterpret_cast<__half2*>(&t[z + 8 * QLA_TS]) = __float2half2_rn(0.f);
   }
-  __syncthreads();
+  qla_wg_sync<BAR>();
 }
 
-__device__ __forceinline__ void qla_tile_inverse(void* tile, void* scratch) {
+__device__ __forceinline__ void qla_mark(void* tr, int idx, int k) {
+  if (idx >= 0 && (threadIdx.x & 127) == 0) reinterpret_cast<long long*>(tr)[idx + k] = clock64();
+}
+
+template <int BAR = 0>
+__device__ __forceinline__ void qla_tile_inverse(void* tile, void* scratch, void* tr = nullptr, int idx = -1) {
   __half* t = reinterpret_cast<__half*>(tile);
-  int tx = threadIdx.x & 127;
-  qla_inv_diag8(t, tx);
-  qla_inv_level8(t, reinterpret_cast<float*>(scratch), tx);
-  qla_inv_level_mma<16>(t, reinterpret_cast<__half*>(scratch), tx);
-  qla_inv_level_mma<32>(t, reinterpret_cast<__half*>(scratch), tx);
+  int tx;  // read afresh (volatile): addresses derived from it are not hoisted out of a caller's loop and spilled
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
+  tx &= 127;
+  qla_mark(tr, idx, 1);
+  qla_inv_diag16(t, tx);
+  qla_mark(tr, idx, 2);
+  qla_wg_sync<BAR>();
+  qla_mark(tr, idx, 3);
+  qla_inv_level_mma<16, BAR>(t, reinterpret_cast<__half*>(scratch), tx);
+  qla_mark(tr, idx, 4);
+  qla_inv_level_mma<32, BAR>(t, reinterpret_cast<__half*>(scratch), tx);
+  qla_mark(tr, idx, 5);
 }
 """.replace("QLA_TS", str(TILE_STRIDE))

@@ -23,10 +23,14 @@ def _kernels():
 # the state kernels' DV tile, forced through the rule's threshold: all of V per CTA (what many heads or sequences
 # get; an unsplit call then runs split_state_recurrence) or half of it (what few get: chunk_recurrence)
 BLOCK_DV = ["full", "half"]
+# the paths of an unsplit forward alone: all of V with the inverse on chip (chunk_fwd_split(inverse=True), what
+# many heads or sequences get), all of V after kkt_inverse (what a forward a backward follows gets), half of V
+PATHS = ["onchip"] + BLOCK_DV
 
 
-def _force(monkeypatch, kernels, block_dv):
-    monkeypatch.setattr(kernels, "_FULL_DV_MIN_CTAS", 1 if block_dv == "full" else 1 << 30)
+def _force(monkeypatch, kernels, path):
+    monkeypatch.setattr(kernels, "_FULL_DV_MIN_CTAS", 1 << 30 if path == "half" else 1)
+    monkeypatch.setattr(kernels, "_onchip_inverse", lambda *_: path == "onchip")
 
 
 def _case(B, T, H, HV, dtype, cu_seqlens=None, h0=True, l2norm=False, seed=0):
@@ -48,14 +52,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("block_dv", BLOCK_DV)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_fp64_oracle(name, block_dv, monkeypatch):
+def test_matches_fp64_oracle(name, path, monkeypatch):
     kernels = _kernels()
-    _force(monkeypatch, kernels, block_dv)
+    _force(monkeypatch, kernels, path)
     B, T, H, HV, dtype, cu, h0, l2 = CASES[name]
     kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=len(name))
+    ran = []
+    inverse = kernels._gate_inverse
+    monkeypatch.setattr(kernels, "_gate_inverse", lambda *a: ran.append("kkt_inverse") or inverse(*a))
     o, ht = kernels.chunk_gdr_fwd_hopper(*args)
+    assert ran == ([] if path == "onchip" else ["kkt_inverse"])
     ref_o, ref_ht = recurrent_gdr_reference(
         kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale=128**-0.5, initial_state=kw.get("initial_state"),
         output_final_state=True, cu_seqlens=kw.get("cu_seqlens"), use_qk_l2norm_in_kernel=l2,
@@ -254,11 +262,11 @@ def test_forward_alone_reads_lengths_only_where_it_may_split():
         torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("block_dv", BLOCK_DV)
-def test_every_output_element_written(block_dv, monkeypatch):
+@pytest.mark.parametrize("path", PATHS)
+def test_every_output_element_written(path, monkeypatch):
     """Outputs allocated inside the call are poisoned with NaN; none may survive."""
     kernels = _kernels()
-    _force(monkeypatch, kernels, block_dv)
+    _force(monkeypatch, kernels, path)
     _, args = _case(1, 452, 2, 4, torch.bfloat16, [0, 1, 2, 130, 130, 194, 451, 452], True)
     empty = torch.empty
 

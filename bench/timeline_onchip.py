@@ -1,0 +1,107 @@
+"""Where a chunk's time goes in the forward with the inverse on chip (``chunk_fwd_split(inverse=True)``): a clock
+timeline on the GPU, next to the two launches it replaces (``kkt_inverse`` and the recurrence reading T~).
+
+The traced variant (``trace=True``, a diagnostic, not prebuilt) has the first thread of the aux warpgroup, of state
+warpgroup 0 and of the K/Q load warp of the CTAs of v-heads 0..3 of the first walk write the SM clock at fixed points
+of each chunk, and inside the tile inverse between its levels. Prints the median cycles of each step over the
+steady-state chunks, and when the aux's A_g and P_g arrive relative to the state warpgroup's chunk start. Compile
+the traced variant on the CPU first (``--build``, into ``$QLA_CACHE_DIR``) and carry that cache.
+
+    python bench/timeline_onchip.py 32/32:4096x8 --out bench/results/timeline-onchip.md
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PARAMS = dict(dk=128, dv=128, dtype="bfloat16", has_h0=True, inverse=True)
+# the events each traced warpgroup marks (``split_state_recurrence.chunk_fwd_split``'s ``mark`` calls); warpgroup 2's
+# slots hold the aux's marks inside the inverse
+EVENTS = {0: ["start", "full seen", "K K^T done", "A_g formed", "A_g handed over", "P_g handed over"],
+          1: ["start", "full seen", "A_g seen", "P_g seen", "end"], 3: ["start", "stage free seen"]}
+INNER = ["K K^T done", "tile filled", "16x16 blocks (warp 0)", "16x16 blocks (all)", "level 16", "level 32", "A_g gated"]
+WG_NAMES = {0: "aux", 1: "state 0", 3: "K/Q loads"}
+
+
+def build():
+    from qla_compile.kernels import split_state_recurrence
+
+    split_state_recurrence.chunk_fwd_split(**PARAMS, trace=True)
+
+
+def median_steps(tr, lo, hi):
+    """Markdown lines: per traced warpgroup the median cycles between consecutive events over chunks [lo, hi)."""
+    ctas = range(tr.shape[0])
+
+    def med(f):
+        return statistics.median(f(c, j) for c in ctas for j in range(lo, hi))
+
+    lines = [f"Chunk period (state warpgroup 0, start to start): **{med(lambda c, j: tr[c, 1, j + 1, 0] - tr[c, 1, j, 0]):.0f} "
+             "cycles**\n", "| warpgroup | step | median cycles |", "|---|---|---|"]
+    for wg, events in EVENTS.items():
+        for e in range(1, len(events)):
+            lines.append(f"| {WG_NAMES[wg]} | {events[e - 1]} -> {events[e]} | "
+                         f"{med(lambda c, j: tr[c, wg, j, e] - tr[c, wg, j, e - 1]):.0f} |")
+        lines.append(f"| {WG_NAMES[wg]} | {events[-1]} -> next chunk | "
+                     f"{med(lambda c, j: tr[c, wg, j + 1, 0] - tr[c, wg, j, len(events) - 1]):.0f} |")
+    for e in range(1, len(INNER)):
+        start = (lambda c, j: tr[c, 0, j, 2]) if e == 1 else (lambda c, j, e=e: tr[c, 2, j, e - 1])
+        lines.append(f"| aux, inside | {INNER[e - 1]} -> {INNER[e]} | {med(lambda c, j: tr[c, 2, j, e] - start(c, j)):.0f} |")
+    for label, e in (("A_g", 4), ("P_g", 5)):
+        lines.append(f"| aux -> state 0 | {label} handed over, after the state's full seen | "
+                     f"{med(lambda c, j: tr[c, 0, j, e] - tr[c, 1, j, 1]):.0f} |")
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("row", nargs="?", default="32/32:4096x8", help="H_qk/H_v:seqs")
+    ap.add_argument("--build", action="store_true", help="compile the traced variant into the kernel cache and exit")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if a.build:
+        return build()
+    import torch
+
+    from bench.common import make_inputs, parse_seqs, time_graph, versions
+    from qla_compile.kernels import chunk_recurrence as CR
+    from qla_compile.kernels import forward as F
+
+    heads, seqs = a.row.split(":")
+    hk, hv = map(int, heads.split("/"))
+    lens = parse_seqs(seqs)
+    x = make_inputs(hk, hv, lens)
+    n_tok = sum(lens)
+    q3, k3, v3 = (x[n].view(n_tok, -1, 128) for n in ("q", "k", "v"))
+    cu, offsets, order, spans = F._tables(x["cu"], 1, n_tok, q3.device)
+    g, b = F._token_gates(x["g"], x["beta"], n_tok, hv)
+    o, ht = torch.empty_like(v3), torch.empty_like(x["h0"])
+    tt, gb, bad = F._chunk_tables(n_tok, len(lens), hv, q3.device)
+    scale = float(x["scale"])
+    recurrence = F.split_state_recurrence.chunk_fwd_split(**{**PARAMS, "inverse": False})
+    onchip = F.split_state_recurrence.chunk_fwd_split(**PARAMS)
+    traced = F.split_state_recurrence.chunk_fwd_split(**PARAMS, trace=True)
+    ms = {"kkt_inverse": time_graph(lambda: F._gate_inverse(k3, x["g"], x["beta"], spans, (tt, gb, bad), "bfloat16")),
+          "recurrence reading T~": time_graph(lambda: recurrence(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1],
+                                                                 x["h0"], scale, o, ht)),
+          "recurrence, inverse on chip": time_graph(lambda: onchip(q3, k3, v3, g, b, cu, order, cu[:1], x["h0"],
+                                                                   scale, o, ht))}
+    tr = torch.zeros(CR.TRACE_CTAS, 4, CR.TRACE_CHUNKS, CR.TRACE_EVENTS, dtype=torch.int64, device="cuda")
+    traced(q3, k3, v3, g, b, cu, order, cu[:1], x["h0"], scale, o, ht, tr)
+    torch.cuda.synchronize()
+    lines = [f"# Timeline of the recurrence with the inverse on chip, {a.row}\n", f"Versions: {versions()}\n",
+             "Launches alone (CUDA-graph medians, us): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ms.items())
+             + "\n"]
+    lines += median_steps(tr.cpu(), 4, min(CR.TRACE_CHUNKS, max(lens) // 64) - 1)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
