@@ -62,7 +62,7 @@ _FULL_DV_MIN_CTAS = 88
 # that the forward's context-parallel cache has a size known from shapes (:func:`cp_cache_numel`).
 _CP_MAX_EXTRA_PIECE_HEADS = 512
 # (sequence, v-head) pairs from which a forward alone forms its inverse on chip (``_onchip_inverse``)
-_ONCHIP_MIN_CTAS = 256
+_ONCHIP_MIN_CTAS = 128
 
 
 @functools.cache
@@ -341,13 +341,14 @@ def _gate_inverse(k3, g, beta, spans, tables, dtype):
     kernel(dk=k3.shape[2], dtype=dtype)(k3, g_tok, b_tok, spans, *tables)
 
 
-def _onchip_inverse(h_qk, h_v, n_ctas):
+def _onchip_inverse(n_ctas):
     """Whether an unsplit forward alone over all of V forms its gate tables and inverse inside the split-state
-    recurrence (``chunk_fwd_split(inverse=True)``) instead of launching ``kkt_inverse`` before it: where every v-head
-    has its own keys and ``n_ctas`` (sequence, v-head) pairs fill the SMs about twice, where it was faster (H100:
-    1.08-1.09x at 32/32 4096x8 and 512x64; 0.94-0.98x at 16/16 with 128 pairs; slower at GVA 2 and 4, where
-    ``kkt_inverse`` forms K K^T once per group of v-heads)."""
-    return h_v == h_qk and n_ctas >= _ONCHIP_MIN_CTAS
+    recurrence (``chunk_fwd_split(inverse=True)``) instead of launching ``kkt_inverse`` before it: where ``n_ctas``
+    (sequence, v-head) pairs about fill the SMs, so the inverse's work overlaps other CTAs' instead of lengthening
+    the longest sequence's path (H100, ``bench/results/2026-12-05-fwd-onchip-stages.md``: 1.12-1.36x from 128
+    pairs, GVA 1 to 4, sequences of 1024 to 4096 tokens, 1.04x at 192 pairs with one sequence of 3000 tokens among
+    1000 and 77; 0.93x at 96 pairs so)."""
+    return n_ctas >= _ONCHIP_MIN_CTAS
 
 
 def _block_dv(n_ctas, dv):
@@ -479,7 +480,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     cu, offsets, order, spans = _tables(cu_seqlens, B, T, q.device)
     cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device, for_backward)
     onchip = (cp is None and not for_backward and _block_dv(n_seq * h_v, dv) == dv
-              and _onchip_inverse(h_qk, h_v, n_seq * h_v))
+              and _onchip_inverse(n_seq * h_v))
     if not onchip:
         _gate_inverse(k3, g, beta, spans, (tt, gb, bad), dtype)
     if cp is not None:
