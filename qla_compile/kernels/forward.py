@@ -12,7 +12,10 @@ The forward is two kernels: ``kkt_inverse`` (gate cumsum and the gate-free inver
 chunks in parallel) and the warp-specialised chunk recurrence, a programmatic dependent launch of the first (its
 launch and first loads overlap the first's last CTAs): ``split_state_recurrence.chunk_fwd_split`` (the state in
 registers, split over two warpgroups) where every (sequence, v-head) pair fills a CTA of its own, else
-``chunk_recurrence.chunk_fwd_ws`` with the V dimension split over two CTAs (:func:`_state_kernel`). When few
+``chunk_recurrence.chunk_fwd_ws`` with the V dimension split over two CTAs (:func:`_state_kernel`). A forward
+alone that does not split, with at least 128 (sequence, v-head) pairs, is one kernel instead: the split-state
+recurrence forms the gate tables and the inverse on chip (``chunk_fwd_split(inverse=True)``,
+:func:`_onchip_inverse`). When few
 long sequences would leave SMs idle, ``context_parallel`` cuts them into pieces that run in parallel
 (gate-driven context parallelism: a warm-up or exact transition per piece, then a scan of the
 pieces' initial states, then the output pass over the pieces, by the same choice of recurrence). The recurrent

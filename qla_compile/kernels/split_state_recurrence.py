@@ -20,10 +20,14 @@ then TMA-stored; the store's reads are waited for only before the tile is writte
   A_g = Gamma o T~ o beta_col in place over T~ (``ldmatrix`` / ``stmatrix``); then P_g = scale Gamma o Q K^T
   from the same stacked tiles.
   It is warpgroup 0 because TileLang 0.1.15 binds an annotated fragment layout (``_acc``) to threads 0..127.
+  With ``inverse`` (a forward alone, ``forward._onchip_inverse``) it forms A_g itself instead: K K^T from the
+  stacked tiles, diag(beta) K K^T into a padded fp16 tile, (I + L~)^-1 in place (``tile_inverse``, each warp its
+  own 16 rows first), then Gamma o T~ o beta_col; no T~ is read.
 * WG1, WG2 "state": the chain above for the two halves of V; they share nothing but the input ring.
 * WG3 "producer": one warp TMA-loads the stacked K and Q tiles, one v (a tile per state warpgroup), one T~ and
   [gamma; beta] into a two-stage ring (``pdl_sync`` first: right after ``kkt_inverse`` the kernel is its
-  programmatic dependent).
+  programmatic dependent); with ``inverse`` that warp scans g and beta into [gamma; beta] and forms the column
+  tables itself (``qla_gate_scan``).
 
 Same call and outputs as ``chunk_recurrence.chunk_fwd_ws(block_dv=dv, pdl=True)``; chosen over it where every
 (sequence or piece, v-head) pair fills a CTA (``forward._state_kernel``, ``forward._forward_cp``). Precision: fp16
