@@ -24,6 +24,13 @@ while [ $# -gt 0 ]; do
 done
 [ ${#specs[@]} -gt 0 ] || { echo "no NAME=PATCH given" >&2; exit 2; }
 work=$(mktemp -d)
+cleanup() {  # the checkouts too when a patch does not apply or a build fails
+  for tree in "$work"/*; do
+    [ "$tree" = "$work/stage" ] || git -C "$root" worktree remove --force "$tree" 2>/dev/null || true
+  done
+  rm -rf "$work"
+}
+trap cleanup EXIT
 stage="$work/stage"
 mkdir -p "$stage"
 for spec in "${specs[@]}"; do
@@ -43,5 +50,4 @@ for spec in "${specs[@]}"; do
 done
 mkdir -p "$(dirname "$out")"
 tar cJf "$out" -C "$stage" .
-rm -rf "$work"
 echo "wrote $out ($(du -h "$out" | cut -f1))"
