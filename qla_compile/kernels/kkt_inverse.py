@@ -256,8 +256,8 @@ def kkt_inverse_tc(*, dk: int, dtype: str, heads: int = 1):
     warpgroup) per chunk and ``heads`` v-heads of one qk-head (1, 2 or 4, dividing H_v / H_qk). K by TMA, K K^T by
     one wgmma (fp32, kept in registers for the CTA's v-heads); per v-head, diag(beta) K K^T rounded to fp16 into a
     padded tile (unmasked: the inverse reads L~ only) and the contraction flags from the fragment's diagonal, then the
-    tile inverted in place by ``tile_inverse`` (block doubling on tensor cores) and stored as T~. ~30 KB of shared memory and 58 registers (``heads`` = 1), so
-    seven CTAs share an SM."""
+    tile inverted in place by ``tile_inverse`` (block doubling on tensor cores) and stored as T~. ~30 KB of shared
+    memory and 58 registers (``heads`` = 1), so seven CTAs share an SM."""
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     h_qk = T.dynamic("h_qk")

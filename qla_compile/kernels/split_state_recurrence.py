@@ -357,19 +357,15 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                     T.annotate_layout({e_h: _acc(C, C)})
                     t_s = T.alloc_shared((C * TS,), half)  # I + L~, then its inverse: rows TS halves apart
                     scratch = T.alloc_shared((1024,), acc)  # the inverse's C A^-1
-                if not inverse:
+                else:
                     log2_scale = _lg2(scale)
                 for i in T.serial(n_iter):
                     st = i % 2
                     mark(tr, hv, rank, 0, i, 0)
                     T.barrier_wait(full[st], (i // 2) % 2)
                     mark(tr, hv, rank, 0, i, 1)
-                    if inverse:
-                        # K K^T first: the fill waits for it
+                    if inverse:  # the tables' warp formed the column tables; K K^T first: the fill waits for it
                         qk_product(kq, st * 2 * C, p_f, 0)
-                    if not inverse:  # with the inverse on chip the tables' warp forms them
-                        column_tables(cf_s, gb_s, st, T.min(seqlen - i * C, C), scale)
-                    if inverse:
                         lv = i & LV_BIT
                         T.wait_wgmma(0)
                         mark(tr, hv, rank, 0, i, 2)
@@ -387,6 +383,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                         mark(tr, hv, rank, 0, i, 4)
                         qk_product(kq, st * 2 * C, p_f)
                     else:
+                        column_tables(cf_s, gb_s, st, T.min(seqlen - i * C, C), scale)
                         if st == 0:
                             gate_inverse(ttb[0], a_h, gb_s, st)
                         else:

@@ -1,14 +1,15 @@
 """CUDA device code, for ``T.import_source``: (I + L)^-1 of one 64x64 fp16 tile in shared memory, in place, by a
-warpgroup (128 threads), for ``kkt_inverse.kkt_inverse_tc``.
+warpgroup (128 threads), for ``kkt_inverse.kkt_inverse_tc`` and the aux warpgroup of
+``split_state_recurrence.chunk_fwd_split`` with its inverse on chip.
 
 The tile is row-major and unswizzled, rows :data:`TILE_STRIDE` halves apart (144 B: the eight rows a lane group
 reads down a column fall in eight different banks); on entry the strictly lower triangle holds L (what the diagonal
-and the upper triangle hold is not read: the inverse writes ones and zeros there). Block doubling: each warp inverts one 16x16 diagonal block on its own (its two 8x8 diagonal blocks
-by substitution in fp32, the block under them by two ``mma.sync`` m16n8k8), then for b = 16, 32 every pair
-[[A, 0], [C, D]] of b x b diagonal blocks (A^-1, D^-1 already in place) gets -D^-1 (C A^-1) over C, by ``mma.sync``
-m16n8k16. Every product has fp16 operands and fp32 sums, C A^-1 rounded to fp16 between its two products (in the
-scratch at levels 16 and 32), as FlashInfer 0.7's T precompute does; every product reads whole tiles: the upper
-triangles are zeros.
+and the upper triangle hold is not read: the inverse writes ones and zeros there). Block doubling: each warp inverts
+one 16x16 diagonal block on its own (its two 8x8 diagonal blocks by substitution in fp32, the block under them by
+two ``mma.sync`` m16n8k8), then for b = 16, 32 every pair [[A, 0], [C, D]] of b x b diagonal blocks (A^-1, D^-1
+already in place) gets -D^-1 (C A^-1) over C, by ``mma.sync`` m16n8k16. Every product has fp16 operands and fp32
+sums, C A^-1 rounded to fp16 between its two products (in the scratch at levels 16 and 32), as FlashInfer 0.7's T
+precompute does; every product reads whole tiles: the upper triangles are zeros.
 Entry point: ``qla_tile_inverse<BAR>(void* tile, void* scratch)``, ``scratch`` 4 KB of shared memory; ``BAR`` is the
 barrier its 128 threads meet at between steps: 0 (the default) ``__syncthreads`` for a CTA of one warpgroup, else the
 named barrier ``BAR`` for one warpgroup of a larger CTA (``qla_wg_sync<BAR>``).
