@@ -3,7 +3,7 @@
 # that times them side by side (each in its own process: they change the same kernels).
 #
 #   bash bench/patch_trees.sh NAME=PATCH[+PATCH...] ... [--out .carry/trees.tar.xz]
-#   bash bench/patch_trees.sh main= ahead=bench/patches/2026-12-05-kkt-ahead-on-main.patch
+#   bash bench/patch_trees.sh main= fast=bench/patches/2026-12-06-some-candidate.patch
 #
 # NAME= (no patch) is HEAD itself. Needs the CPU build environment (TileLang, nvcc): every variant the patches
 # change is compiled here (``qla_compile.prebuild --build-artifact``). On the device, with the site bundle in

@@ -23,8 +23,9 @@ then TMA-stored; the store's reads are waited for only before the tile is writte
   With ``inverse`` (a forward alone, ``forward._onchip_inverse``) it forms A_g itself instead: K K^T from the
   stacked tiles, diag(beta) K K^T into a padded fp16 tile, (I + L~)^-1 in place (``tile_inverse``, each warp its
   own 16 rows first), then Gamma o T~ o beta_col; no T~ is read.
-* WG1, WG2 "state": the chain above for the two halves of V; they share nothing but the input ring.
-* WG3 "producer": one warp TMA-loads the stacked K and Q tiles, one v (a tile per state warpgroup), one T~ and
+* WG1, WG2 "state": one 256-thread consumer with one copy of the code (``GemmWarpPolicy.FullRow``): warpgroup w
+  runs the chain above for rows v in [64 w, 64 w + 64); they share the input ring and the O tile.
+* WG3 "producer": one warp TMA-loads the stacked K and Q tiles, one v (a [64 x 128] tile, two TMA boxes), one T~ and
   [gamma; beta] into a two-stage ring (``pdl_sync`` first: right after ``kkt_inverse`` the kernel is its
   programmatic dependent); with ``inverse`` that warp scans g and beta into [gamma; beta] and forms the column
   tables itself (``qla_gate_scan``).
@@ -81,12 +82,13 @@ __device__ __forceinline__ void qla_gate_scan(const float* g, const float* beta,
 
 
 def _acc(rows, cols, transposed=False):
-    """A warpgroup's wgmma accumulator layout for ``[rows = 64, cols]`` (the one TileLang infers), or, with
-    ``transposed``, the same threads and registers indexed ``[cols, rows]``: the layouts ``ldmatrix`` and
-    ``stmatrix`` (``.trans`` for the transposed one) fill and drain."""
+    """The wgmma accumulator layout for ``[rows, cols]`` (the one TileLang infers): one warpgroup's for 64 rows, two
+    warpgroups' (rows 64 w.., ``GemmWarpPolicy.FullRow``) for 128; or, with ``transposed``, the same threads and
+    registers indexed ``[cols, rows]``: the layouts ``ldmatrix`` and ``stmatrix`` (``.trans`` for the transposed
+    one) fill and drain."""
 
     def thread(m, n):
-        return (m // 16) * 32 + (m % 8) * 4 + (n % 8) // 2
+        return (m // 64) * 128 + ((m % 64) // 16) * 32 + (m % 8) * 4 + (n % 8) // 2
 
     def index(m, n):
         return (n // 8) * 4 + ((m % 16) // 8) * 2 + n % 2
@@ -111,17 +113,16 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
     n_ht = T.dynamic("n_ht")
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
-    C, HW, TS = CHUNK, dv // 2, TILE_STRIDE  # HW: the values of v per state warpgroup
+    C, TS, ROWS = CHUNK, TILE_STRIDE, T.GemmWarpPolicy.FullRow  # ROWS: the state warpgroups split S^T's rows
 
     if trace:
 
         @T.macro
         def mark(tr, hv, rank, wg, j, event):
-            """The SM's clock into the timeline: warpgroup ``wg`` (None: no mark), chunk ``j``, event ``event``."""
+            """The SM's clock into the timeline: slot ``wg``, chunk ``j``, event ``event``, by the first thread of
+            the calling warpgroup (of the state warpgroups, the first's)."""
             tx = T.get_thread_binding()
-            if wg is None:
-                pass
-            elif (tx % 128 == 0) & (rank == 0) & (hv < TRACE_CTAS) & (j < TRACE_CHUNKS):
+            if (tx % 128 == 0) & ((wg != 1) | (tx == 128)) & (rank == 0) & (hv < TRACE_CTAS) & (j < TRACE_CHUNKS):
                 tr[hv, wg, j, event] = T.call_extern("int64", "qla_clock")
 
     else:
@@ -133,15 +134,16 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
 
     @T.macro
     def uo_products(a_lo, a_hi, kq, r, uo_f):
-        """[U^T | O^T] = S^T [K; Q]^T as one m64n128 chain over the two K halves (the stage's rows from ``r``)."""
-        T.wgmma_gemm(a_lo, kq[0][r : r + 2 * C, :], uo_f, transpose_B=True, clear_accum=True)
-        T.wgmma_gemm(a_hi, kq[1][r : r + 2 * C, :], uo_f, transpose_B=True)
+        """[U^T | O^T] = S^T [K; Q]^T as one m64n128 chain per warpgroup over the two K halves (the stage's rows
+        from ``r``)."""
+        T.wgmma_gemm(a_lo, kq[0][r : r + 2 * C, :], uo_f, transpose_B=True, policy=ROWS, clear_accum=True)
+        T.wgmma_gemm(a_hi, kq[1][r : r + 2 * C, :], uo_f, transpose_B=True, policy=ROWS)
 
     @T.macro
     def update(vr, kq, r, s_lo, s_hi):
         """S^T += (r o V'^T) K, K's two column halves from the stacked tiles."""
-        T.wgmma_gemm(vr, kq[0][r : r + C, :], s_lo)
-        T.wgmma_gemm(vr, kq[1][r : r + C, :], s_hi)
+        T.wgmma_gemm(vr, kq[0][r : r + C, :], s_lo, policy=ROWS)
+        T.wgmma_gemm(vr, kq[1][r : r + C, :], s_hi, policy=ROWS)
 
     @T.macro
     def qk_product(kq, r, p_f, r0=C):
@@ -178,47 +180,43 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
         T.tma_copy(q[start : start + C, hk, DH:dk], kq[1][r + C : r + 2 * C, :], barrier=full[st])
 
     @T.macro
-    def load_v(v, tiles, start, hv, full, st):
-        T.tma_copy(v[start : start + C, hv, 0:HW], tiles[0], barrier=full[st])
-        T.tma_copy(v[start : start + C, hv, HW:dv], tiles[1], barrier=full[st])
-
-    @T.macro
-    def store_o(o_w, o, start, length, hv, w):
-        """O's tile to global: by TMA (its reads waited for before ``o_w`` is written again), a partial last
-        chunk by rows."""
+    def store_o(ob, o, start, length, hv):
+        """O's tile to global: by TMA (its reads waited for before ``ob`` is written again), a partial last chunk
+        by rows."""
         T.fence_proxy_async()
         if length == C:
-            T.tma_copy(o_w, o[start : start + C, hv, w * HW : (w + 1) * HW])
+            T.tma_copy(ob, o[start : start + C, hv, :])
         else:
-            for a, b in T.Parallel(C, HW):
+            for a, b in T.Parallel(C, dv):
                 if a < length:
-                    o[start + a, hv, w * HW + b] = o_w[a, b]
+                    o[start + a, hv, b] = ob[a, b]
 
     @T.macro
-    def state_half(w, kq, vb, ttb, gb_s, cf_s, pb, o_w, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows, seq, hv,
-                   bos, seqlen, n_iter, tr, rank):
-        """State warpgroup ``w``: rows v in [w HW, (w + 1) HW) of S^T and O^T. ``vb``: its V tile of each stage,
-        ``o_w``: its O tile (whole 2-D buffers: TileLang lowers copies of those to ldmatrix/stmatrix)."""
-        T.set_max_nreg(_NREG[1 + w], 1)
-        s_lo = T.alloc_fragment((HW, DH), acc)  # S^T[v, d], d in [0, DH)
-        s_hi = T.alloc_fragment((HW, DH), acc)  # d in [DH, dk)
-        a_lo = T.alloc_fragment((HW, DH), dtype)
-        a_hi = T.alloc_fragment((HW, DH), dtype)
-        uo_f = T.alloc_fragment((HW, 2 * C), acc)  # [U^T | O^T]
-        o2_f = T.alloc_fragment((HW, C), acc)  # V'^T P_g^T
-        vp_f = T.alloc_fragment((HW, C), acc)
-        w_h = T.alloc_fragment((HW, C), half)
-        vp_h = T.alloc_fragment((HW, C), half)
-        vr = T.alloc_fragment((HW, C), dtype)
-        vt = T.alloc_fragment((C, HW), dtype)
-        ot = T.alloc_fragment((C, HW), dtype)
-        T.annotate_layout({vt: _acc(HW, C, transposed=True), ot: _acc(HW, C, transposed=True)})
+    def state(kq, vb, ttb, gb_s, cf_s, pb, ob, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows, seq, hv, bos,
+              seqlen, n_iter, tr, rank):
+        """The two state warpgroups as one 256-thread consumer, one copy of the code: warpgroup w holds rows v in
+        [64 w, 64 w + 64) of S^T and O^T (``ROWS``). ``vb``: the V tile of each stage, ``ob``: the O tile (whole
+        2-D buffers: TileLang lowers copies of those to ldmatrix/stmatrix)."""
+        T.set_max_nreg(_NREG[1], 1)
+        s_lo = T.alloc_fragment((dv, DH), acc)  # S^T[v, d], d in [0, DH)
+        s_hi = T.alloc_fragment((dv, DH), acc)  # d in [DH, dk)
+        a_lo = T.alloc_fragment((dv, DH), dtype)
+        a_hi = T.alloc_fragment((dv, DH), dtype)
+        uo_f = T.alloc_fragment((dv, 2 * C), acc)  # [U^T | O^T]
+        o2_f = T.alloc_fragment((dv, C), acc)  # V'^T P_g^T
+        vp_f = T.alloc_fragment((dv, C), acc)
+        w_h = T.alloc_fragment((dv, C), half)
+        vp_h = T.alloc_fragment((dv, C), half)
+        vr = T.alloc_fragment((dv, C), dtype)
+        vt = T.alloc_fragment((C, dv), dtype)
+        ot = T.alloc_fragment((C, dv), dtype)
+        T.annotate_layout({vt: _acc(dv, C, transposed=True), ot: _acc(dv, C, transposed=True)})
         decay = T.alloc_var(acc)
         T.pdl_sync()
         if has_h0:
-            for a, d in T.Parallel(HW, DH):
-                s_lo[a, d] = h0[seq, hv, d, w * HW + a]
-                s_hi[a, d] = h0[seq, hv, DH + d, w * HW + a]
+            for a, d in T.Parallel(dv, DH):
+                s_lo[a, d] = h0[seq, hv, d, a]
+                s_hi[a, d] = h0[seq, hv, DH + d, a]
         else:
             T.clear(s_lo)
             T.clear(s_hi)
@@ -227,10 +225,10 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             ph = (i // 2) % 2
             start = bos + i * C
             length = T.min(seqlen - i * C, C)
-            mark(tr, hv, rank, 1 if w == 0 else None, i, 0)
+            mark(tr, hv, rank, 1, i, 0)
             T.barrier_wait(full[st], ph)
-            mark(tr, hv, rank, 1 if w == 0 else None, i, 1)
-            for a, d in T.Parallel(HW, DH):
+            mark(tr, hv, rank, 1, i, 1)
+            for a, d in T.Parallel(dv, DH):
                 a_lo[a, d] = T.cast(s_lo[a, d], dtype)
                 a_hi[a, d] = T.cast(s_hi[a, d], dtype)
             uo_products(a_lo, a_hi, kq, st * 2 * C, uo_f)
@@ -240,43 +238,43 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                 T.copy(vb[1], vt)
             decay = _exp(gb_s[st, 0, C - 1])
             T.barrier_wait(ag_ready[st], ph)
-            mark(tr, hv, rank, 1 if w == 0 else None, i, 2)
+            mark(tr, hv, rank, 1, i, 2)
             T.wait_wgmma(0)
-            for a, b in T.Parallel(HW, C):
+            for a, b in T.Parallel(dv, C):
                 w_h[a, b] = T.cast(T.cast(vt[b, a], acc) - cf_s[st, 0, b] * uo_f[a, b], half)
             if st == 0:
-                T.wgmma_gemm(w_h, ttb[0], vp_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(w_h, ttb[0], vp_f, transpose_B=True, policy=ROWS, clear_accum=True)
             else:
-                T.wgmma_gemm(w_h, ttb[1], vp_f, transpose_B=True, clear_accum=True)
-            for a, d in T.Parallel(HW, DH):
+                T.wgmma_gemm(w_h, ttb[1], vp_f, transpose_B=True, policy=ROWS, clear_accum=True)
+            for a, d in T.Parallel(dv, DH):
                 s_lo[a, d] = s_lo[a, d] * decay
                 s_hi[a, d] = s_hi[a, d] * decay
             T.wait_wgmma(0)
-            for a, b in T.Parallel(HW, C):
+            for a, b in T.Parallel(dv, C):
                 vp_h[a, b] = T.cast(vp_f[a, b], half)
                 vr[a, b] = T.cast(vp_f[a, b] * cf_s[st, 2, b], dtype)
             T.barrier_wait(p_ready[st], ph)
-            mark(tr, hv, rank, 1 if w == 0 else None, i, 3)
+            mark(tr, hv, rank, 1, i, 3)
             if st == 0:
-                T.wgmma_gemm(vp_h, pb[0], o2_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(vp_h, pb[0], o2_f, transpose_B=True, policy=ROWS, clear_accum=True)
             else:
-                T.wgmma_gemm(vp_h, pb[1], o2_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(vp_h, pb[1], o2_f, transpose_B=True, policy=ROWS, clear_accum=True)
             update(vr, kq, st * 2 * C, s_lo, s_hi)
             T.wait_wgmma(2)  # P_g V' done (the two state products may still run)
-            for a, b in T.Parallel(HW, C):
+            for a, b in T.Parallel(dv, C):
                 ot[b, a] = T.cast(uo_f[a, C + b] * cf_s[st, 1, b] + o2_f[a, b], dtype)
-            T.tma_store_wait(0)  # the previous chunk's store has read o_w
-            T.copy(ot, o_w)
-            store_o(o_w, o, start, length, hv, w)
+            T.tma_store_wait(0)  # the previous chunk's store has read ob
+            T.copy(ot, ob)
+            store_o(ob, o, start, length, hv)
             T.wait_wgmma(0)
             T.barrier_arrive(empty[st])
-            mark(tr, hv, rank, 1 if w == 0 else None, i, 4)
+            mark(tr, hv, rank, 1, i, 4)
         T.tma_store_wait(0)
         row = T.alloc_var("int32", init=T.if_then_else(n_rows == n_seq1 - 1, ht_rows[seq], seq))
         if row >= 0:
-            for a, d in T.Parallel(HW, DH):
-                ht[row, hv, d, w * HW + a] = s_lo[a, d]
-                ht[row, hv, DH + d, w * HW + a] = s_hi[a, d]
+            for a, d in T.Parallel(dv, DH):
+                ht[row, hv, d, a] = s_lo[a, d]
+                ht[row, hv, DH + d, a] = s_hi[a, d]
 
     @T.macro
     def fill_tile(t_s, p_f, gb_s, st):
@@ -324,14 +322,14 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             # [half of d]: per stage, K in rows [2 C st, 2 C st + C) and Q in the next C (wgmma operands and TMA
             # destinations at a row offset, so the products are issued from one copy of the code for both stages)
             kq = [T.alloc_shared((4 * C, DH), dtype) for _ in range(2)]
-            vb = [[T.alloc_shared((C, HW), dtype) for _ in range(2)] for _ in range(2)]  # [stage][half] V
+            vb = [T.alloc_shared((C, dv), dtype) for _ in range(2)]  # V per stage (TMA'd as two 64-column boxes)
             ttb = [T.alloc_shared((C, C), half) for _ in range(2)]  # A_g per stage (over T~, which the ring loads)
             gb_s = T.alloc_shared((2, 2, C), acc)  # [gamma; beta]
             # the aux warpgroup's products, per stage: the column tables e_b, scale e_b, r_b; P_g
             cf_s = T.alloc_shared((2, 3, C), acc)
             pb = [T.alloc_shared((C, C), half) for _ in range(2)]
-            ob = [T.alloc_shared((C, HW), dtype) for _ in range(2)]  # O per state warpgroup
-            T.annotate_layout({b: make_swizzled_layout(b) for b in sum(vb, []) + ttb + pb + ob})
+            ob = T.alloc_shared((C, dv), dtype)  # O
+            T.annotate_layout({b: make_swizzled_layout(b) for b in vb + ttb + pb + [ob]})
 
             full = T.alloc_barrier([96, 96])  # 3 producer warps + TMA bytes
             empty = T.alloc_barrier([384, 384])  # every consumer thread
@@ -412,12 +410,9 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                     T.barrier_arrive(p_ready[st])
                     T.barrier_arrive(empty[st])
                     mark(tr, hv, rank, 0, i, 5)
-            elif tx < 256:
-                state_half(0, kq, [vb[0][0], vb[1][0]], ttb, gb_s, cf_s, pb, ob[0], full, empty, ag_ready,
-                           p_ready, h0, o, ht, ht_rows, seq, hv, bos, seqlen, n_iter, tr, rank)
             elif tx < 384:
-                state_half(1, kq, [vb[0][1], vb[1][1]], ttb, gb_s, cf_s, pb, ob[1], full, empty, ag_ready,
-                           p_ready, h0, o, ht, ht_rows, seq, hv, bos, seqlen, n_iter, tr, rank)
+                state(kq, vb, ttb, gb_s, cf_s, pb, ob, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows, seq, hv,
+                      bos, seqlen, n_iter, tr, rank)
             else:  # WG3: producer warps
                 T.set_max_nreg(_NREG[3], 0)
                 if (tx >= 448) & (tx < 480):  # the tables' warp (q, k, v may load before the previous kernel ends)
@@ -434,9 +429,9 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                     elif tx < 448:
                         T.barrier_wait(empty[st], (i // 2 + 1) % 2)
                         if st == 0:
-                            load_v(v, vb[0], start, hv, full, st)
+                            T.tma_copy(v[start : start + C, hv, :], vb[0], barrier=full[st])
                         else:
-                            load_v(v, vb[1], start, hv, full, st)
+                            T.tma_copy(v[start : start + C, hv, :], vb[1], barrier=full[st])
                         T.barrier_arrive(full[st])
                     elif tx < 480:
                         T.barrier_wait(empty[st], (i // 2 + 1) % 2)
