@@ -350,7 +350,7 @@ def _onchip_inverse(n_ctas):
     (sequence, v-head) pairs about fill the SMs, so the inverse's work overlaps other CTAs' instead of lengthening
     the longest sequence's path (H100, ``bench/results/2026-12-05-fwd-onchip-stages.md``: 1.12-1.36x from 128
     pairs, GVA 1 to 4, sequences of 1024 to 4096 tokens, 1.04x at 192 pairs with one sequence of 3000 tokens among
-    1000 and 77; 0.93x at 96 pairs so)."""
+    1000 and 77; 0.93x at 96 pairs with one long sequence)."""
     return n_ctas >= _ONCHIP_MIN_CTAS
 
 
@@ -449,6 +449,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     hold garbage). ``tt``: T~ = (I + strictly_lower(diag(beta) K K^T))^-1, fp16 ``[n_slots, H_v, 64, 64]``;
     ``gb``: fp32 ``[n_slots, H_v, 2, 64]``, row 0 the in-chunk inclusive cumsum of g, row 1 beta; rows past
     a sequence's end have g = beta = 0 (so gamma repeats the last value and T~ has unit rows there).
+    ``tt`` and ``gb`` are left unwritten where a forward alone forms its inverse on chip (:func:`_onchip_inverse`).
     With ``use_qk_l2norm`` the kernels see the normalised q, k (done here with torch ops).
     ``context_parallel``: None chooses (``chunking.piece_chunks``, with ``for_backward`` the rule of a forward
     and backward pair), False never splits, an int splits every longer sequence into pieces of that many

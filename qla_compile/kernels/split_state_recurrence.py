@@ -105,6 +105,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
     scale, o, ht)``, the arguments of ``chunk_recurrence.chunk_fwd_ws`` in output mode. With ``inverse`` the kernel
     forms the gate tables and A_g itself, from the fp32 ``g`` and ``beta`` ``[n_tok, H_v]``: call as ``kernel(q, k,
     v, g, beta, cu_seqlens, order, ht_rows, h0, scale, o, ht)``."""
+    assert inverse or not trace, "the timeline (trace) is of the kernel with its inverse on chip"
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
