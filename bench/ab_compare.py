@@ -1,6 +1,6 @@
 """Side-by-side table of ``bench/onchip_inverse_ab.py`` runs of several trees (one call, one process per tree):
 per row, each tree's forward with the inverse on chip and through ``kkt_inverse`` + the T~ recurrence, as us and
-as base time / tree time, and the largest float64-oracle error of the tree's outputs.
+as base time / tree time, and the row's largest float64-oracle error over all the trees' outputs.
 
     python bench/ab_compare.py OUT_DIR [--base base] [--md FILE]
 
@@ -18,13 +18,15 @@ def load(out_dir):
     runs = {}
     for path in sorted(glob.glob(os.path.join(out_dir, "ab_*", "onchip-inverse-ab.json"))):
         name = os.path.basename(os.path.dirname(path))[3:]
-        data = json.load(open(path))
+        with open(path) as f:
+            data = json.load(f)
         runs[name] = (data["versions"], {r["row"]: r for r in data["rows"]})
     return runs
 
 
 def table(runs, base):
-    """Markdown lines: one row per shape, per tree ``on chip us (x base) / T~ us (x base)``, the worst oracle error."""
+    """Markdown lines: one row per shape, per tree ``on chip us (x base) / T~ us (x base)``, the worst oracle error
+    over the trees."""
     if base not in runs:
         raise SystemExit(f"no ab_{base} run among {sorted(runs)}")
     names = [base] + sorted(n for n in runs if n != base)
