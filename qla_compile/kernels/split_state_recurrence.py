@@ -16,7 +16,7 @@ are one dependent chain of eight m64n128k16 steps instead of sixteen m64n64k16 o
 ``ldmatrix.trans`` and O^T written by ``stmatrix.trans`` (fragments in the accumulator's layout, seen transposed),
 then TMA-stored; the store's reads are waited for only before the tile is written again.
 
-* WG0 "aux", a chunk ahead: the per-column tables e_b, scale e_b, r_b (0 past the sequence end);
+* WG0 "aux", up to two chunks ahead: the per-column tables e_b, scale e_b, r_b (0 past the sequence end);
   A_g = Gamma o T~ o beta_col in place over T~ (``ldmatrix`` / ``stmatrix``); then P_g = scale Gamma o Q K^T
   from the same stacked tiles.
   It is warpgroup 0 because TileLang 0.1.15 binds an annotated fragment layout (``_acc``) to threads 0..127.
@@ -26,7 +26,7 @@ then TMA-stored; the store's reads are waited for only before the tile is writte
 * WG1, WG2 "state": one 256-thread consumer with one copy of the code (``GemmWarpPolicy.FullRow``): warpgroup w
   runs the chain above for rows v in [64 w, 64 w + 64); they share the input ring and the O tile.
 * WG3 "producer": one warp TMA-loads the stacked K and Q tiles, one v (a [64 x 128] tile, two TMA boxes), one T~ and
-  [gamma; beta] into a two-stage ring (``pdl_sync`` first: right after ``kkt_inverse`` the kernel is its
+  [gamma; beta] into a three-stage ring (``pdl_sync`` first: right after ``kkt_inverse`` the kernel is its
   programmatic dependent); with ``inverse`` that warp scans g and beta into [gamma; beta] and forms the column
   tables itself (``qla_gate_scan``).
 
@@ -50,6 +50,7 @@ from .tile_inverse import TILE_STRIDE
 # setmaxnreg per warpgroup (aux, state 0, state 1, producer): sums to 512 = 65536 registers / 128.
 _NREG = (104, 192, 192, 24)
 LV_BIT = 1 << 30  # i & LV_BIT is 0 (fewer chunks), but not provably: masks stay inside the chunk loop
+_STAGES = 3  # the input ring's depth: the loads of chunk i wait for chunk i - 3 to be consumed
 _AUX_BARRIER = 8  # the aux warpgroup's named barrier with ``inverse`` (TileLang's own are 0 and 3-5)
 # with ``inverse``: a producer warp's gate tables, [gamma; beta] of one chunk and v-head by a warp scan, and the
 # state warpgroups' column tables from them (``column_tables``'s e_b, scale e_b, r_b), off the aux warpgroup's path
@@ -222,8 +223,8 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             T.clear(s_lo)
             T.clear(s_hi)
         for i in T.serial(n_iter):
-            st = i % 2
-            ph = (i // 2) % 2
+            st = i % _STAGES
+            ph = (i // _STAGES) % 2
             start = bos + i * C
             length = T.min(seqlen - i * C, C)
             mark(tr, hv, rank, 1, i, 0)
@@ -235,8 +236,10 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             uo_products(a_lo, a_hi, kq, st * 2 * C, uo_f)
             if st == 0:
                 T.copy(vb[0], vt)
-            else:
+            elif st == 1:
                 T.copy(vb[1], vt)
+            else:
+                T.copy(vb[2], vt)
             decay = _exp(gb_s[st, 0, C - 1])
             T.barrier_wait(ag_ready[st], ph)
             mark(tr, hv, rank, 1, i, 2)
@@ -245,8 +248,10 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                 w_h[a, b] = T.cast(T.cast(vt[b, a], acc) - cf_s[st, 0, b] * uo_f[a, b], half)
             if st == 0:
                 T.wgmma_gemm(w_h, ttb[0], vp_f, transpose_B=True, policy=ROWS, clear_accum=True)
-            else:
+            elif st == 1:
                 T.wgmma_gemm(w_h, ttb[1], vp_f, transpose_B=True, policy=ROWS, clear_accum=True)
+            else:
+                T.wgmma_gemm(w_h, ttb[2], vp_f, transpose_B=True, policy=ROWS, clear_accum=True)
             for a, d in T.Parallel(dv, DH):
                 s_lo[a, d] = s_lo[a, d] * decay
                 s_hi[a, d] = s_hi[a, d] * decay
@@ -258,8 +263,10 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             mark(tr, hv, rank, 1, i, 3)
             if st == 0:
                 T.wgmma_gemm(vp_h, pb[0], o2_f, transpose_B=True, policy=ROWS, clear_accum=True)
-            else:
+            elif st == 1:
                 T.wgmma_gemm(vp_h, pb[1], o2_f, transpose_B=True, policy=ROWS, clear_accum=True)
+            else:
+                T.wgmma_gemm(vp_h, pb[2], o2_f, transpose_B=True, policy=ROWS, clear_accum=True)
             update(vr, kq, st * 2 * C, s_lo, s_hi)
             T.wait_wgmma(2)  # P_g V' done (the two state products may still run)
             for a, b in T.Parallel(dv, C):
@@ -319,23 +326,23 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
         # the sequence is the slowest grid dimension: CTAs start in ``order``, every head of a sequence together
         with T.Kernel(h_v, n_seq1 - 1, threads=512) as (hv, rank):
             T.import_source(_PTX + (TILE_INVERSE_CUDA + _GATE_SCAN if inverse else "") + (_CLOCK if trace else ""))
-            # two-stage input ring, filled by TMA (and with ``inverse`` the tables' warp)
+            # three-stage input ring, filled by TMA (and with ``inverse`` the tables' warp)
             # [half of d]: per stage, K in rows [2 C st, 2 C st + C) and Q in the next C (wgmma operands and TMA
-            # destinations at a row offset, so the products are issued from one copy of the code for both stages)
-            kq = [T.alloc_shared((4 * C, DH), dtype) for _ in range(2)]
-            vb = [T.alloc_shared((C, dv), dtype) for _ in range(2)]  # V per stage (TMA'd as two 64-column boxes)
-            ttb = [T.alloc_shared((C, C), half) for _ in range(2)]  # A_g per stage (over T~, which the ring loads)
-            gb_s = T.alloc_shared((2, 2, C), acc)  # [gamma; beta]
+            # destinations at a row offset, so the products are issued from one copy of the code for all stages)
+            kq = [T.alloc_shared((2 * C * _STAGES, DH), dtype) for _ in range(2)]
+            vb = [T.alloc_shared((C, dv), dtype) for _ in range(_STAGES)]  # V (TMA'd as two 64-column boxes)
+            ttb = [T.alloc_shared((C, C), half) for _ in range(_STAGES)]  # A_g (over T~, which the ring loads)
+            gb_s = T.alloc_shared((_STAGES, 2, C), acc)  # [gamma; beta]
             # the aux warpgroup's products, per stage: the column tables e_b, scale e_b, r_b; P_g
-            cf_s = T.alloc_shared((2, 3, C), acc)
-            pb = [T.alloc_shared((C, C), half) for _ in range(2)]
+            cf_s = T.alloc_shared((_STAGES, 3, C), acc)
+            pb = [T.alloc_shared((C, C), half) for _ in range(_STAGES)]
             ob = T.alloc_shared((C, dv), dtype)  # O
             T.annotate_layout({b: make_swizzled_layout(b) for b in vb + ttb + pb + [ob]})
 
-            full = T.alloc_barrier([96, 96])  # 3 producer warps + TMA bytes
-            empty = T.alloc_barrier([384, 384])  # every consumer thread
-            ag_ready = T.alloc_barrier([128, 128])  # the column tables and A_g of the stage
-            p_ready = T.alloc_barrier([128, 128])  # P_g of the stage
+            full = T.alloc_barrier([96] * _STAGES)  # 3 producer warps + TMA bytes
+            empty = T.alloc_barrier([384] * _STAGES)  # every consumer thread
+            ag_ready = T.alloc_barrier([128] * _STAGES)  # the column tables and A_g of the stage
+            p_ready = T.alloc_barrier([128] * _STAGES)  # P_g of the stage
 
             seq = T.alloc_var("int32", init=order[rank])
             hk = hv // (h_v // h_qk)
@@ -359,9 +366,9 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                 else:
                     log2_scale = _lg2(scale)
                 for i in T.serial(n_iter):
-                    st = i % 2
+                    st = i % _STAGES
                     mark(tr, hv, rank, 0, i, 0)
-                    T.barrier_wait(full[st], (i // 2) % 2)
+                    T.barrier_wait(full[st], (i // _STAGES) % 2)
                     mark(tr, hv, rank, 0, i, 1)
                     if inverse:  # the tables' warp formed the column tables; K K^T first: the fill waits for it
                         qk_product(kq, st * 2 * C, p_f, 0)
@@ -375,8 +382,10 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                         mark(tr, hv, rank, 0, i, 3)
                         if st == 0:
                             T.copy(a_h, ttb[0])
-                        else:
+                        elif st == 1:
                             T.copy(a_h, ttb[1])
+                        else:
+                            T.copy(a_h, ttb[2])
                         T.fence_proxy_async()
                         T.barrier_arrive(ag_ready[st])
                         mark(tr, hv, rank, 0, i, 4)
@@ -385,8 +394,10 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                         column_tables(cf_s, gb_s, st, T.min(seqlen - i * C, C), scale)
                         if st == 0:
                             gate_inverse(ttb[0], a_h, gb_s, st)
-                        else:
+                        elif st == 1:
                             gate_inverse(ttb[1], a_h, gb_s, st)
+                        else:
+                            gate_inverse(ttb[2], a_h, gb_s, st)
                         T.fence_proxy_async()
                         T.barrier_arrive(ag_ready[st])
                         # Q K^T only now: a wgmma issued earlier waits behind the state warpgroups' in the tensor
@@ -398,15 +409,19 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                             a_h[a, b] = T.cast(p_f[a, b] * scale, half) * e_h[a, b]
                         if st == 0:
                             T.copy(a_h, pb[0])
-                        else:
+                        elif st == 1:
                             T.copy(a_h, pb[1])
+                        else:
+                            T.copy(a_h, pb[2])
                     else:
                         for a, b in T.Parallel(C, C):
                             p_f[a, b] = p_f[a, b] * _gamma_times(gb_s, st, a, b, row_log2=log2_scale)
                         if st == 0:
                             T.copy(p_f, pb[0])
-                        else:
+                        elif st == 1:
                             T.copy(p_f, pb[1])
+                        else:
+                            T.copy(p_f, pb[2])
                     T.fence_proxy_async()
                     T.barrier_arrive(p_ready[st])
                     T.barrier_arrive(empty[st])
@@ -419,23 +434,25 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                 if (tx >= 448) & (tx < 480):  # the tables' warp (q, k, v may load before the previous kernel ends)
                     T.pdl_sync()
                 for i in T.serial(n_iter):
-                    st = i % 2
+                    st = i % _STAGES
                     start = bos + i * C
                     if tx < 416:
                         mark(tr, hv, rank, 3, i, 0)
-                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
+                        T.barrier_wait(empty[st], (i // _STAGES + 1) % 2)
                         mark(tr, hv, rank, 3, i, 1)
                         load_kq(q, k, kq, start, hk, full, st)
                         T.barrier_arrive(full[st])
                     elif tx < 448:
-                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
+                        T.barrier_wait(empty[st], (i // _STAGES + 1) % 2)
                         if st == 0:
                             T.tma_copy(v[start : start + C, hv, :], vb[0], barrier=full[st])
-                        else:
+                        elif st == 1:
                             T.tma_copy(v[start : start + C, hv, :], vb[1], barrier=full[st])
+                        else:
+                            T.tma_copy(v[start : start + C, hv, :], vb[2], barrier=full[st])
                         T.barrier_arrive(full[st])
                     elif tx < 480:
-                        T.barrier_wait(empty[st], (i // 2 + 1) % 2)
+                        T.barrier_wait(empty[st], (i // _STAGES + 1) % 2)
                         if inverse:
                             T.call_extern("handle", "qla_gate_scan", T.address_of(g[start, hv]),
                                           T.address_of(beta[start, hv]), h_v, T.min(seqlen - i * C, C), scale,
@@ -443,8 +460,10 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                         else:
                             if st == 0:
                                 T.tma_copy(tt[coff + i, hv, :, :], ttb[0], barrier=full[st])
-                            else:
+                            elif st == 1:
                                 T.tma_copy(tt[coff + i, hv, :, :], ttb[1], barrier=full[st])
+                            else:
+                                T.tma_copy(tt[coff + i, hv, :, :], ttb[2], barrier=full[st])
                             T.tma_copy(gb[coff + i, hv, :, :], gb_s[st, :, :], barrier=full[st])
                         T.barrier_arrive(full[st])
 

@@ -96,35 +96,41 @@ __device__ __forceinline__ void qla_inv_diag16(__half* t, int tx) {
   *reinterpret_cast<__half2*>(&t[(a0 + gid) * QLA_TS + d0 + col]) = __float2half2_rn(0.f);  // above: zeros
 }
 
-// acc = A[ra.., ca..] (16 x 16 KS) B[kb.., nb..] (16 KS x 8), both fp16 row-major (row strides lda, ldb)
+// acc = A[ra.., ca..] (16 x 16 KS) B[kb.., nb..] (16 KS x 8), both fp16 row-major (row strides lda, ldb), the
+// k-steps outside [ks_lo, ks_hi) skipped (where one factor is zero there)
 template <int KS>
 __device__ __forceinline__ void qla_tile_mma(float* acc, const __half* a, int lda, int ra, int ca, const __half* b,
-                                             int ldb, int kb, int nb, int lane) {
+                                             int ldb, int kb, int nb, int lane, int ks_lo = 0, int ks_hi = KS) {
   unsigned fa[4], fb[2];
 #pragma unroll
   for (int e = 0; e < 4; ++e) acc[e] = 0.f;
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
+    if (ks < ks_lo || ks >= ks_hi) continue;
     qla_frag_a(fa, a, lda, ra, ca + 16 * ks, lane);
     qla_frag_b(fb, b, ldb, kb + 16 * ks, nb, lane);
     qla_mma(acc, fa, fb);
   }
 }
 
-// the w-th 16x8 output tile of a warp at level B: pair p (A at rows/cols a0.., D at d0 = a0 + B), tile row mt, col nt
+// a warp's w-th 16x8 output tile at level B: pair p (A at rows/cols a0.., D at d0 = a0 + B), tile row mt, col nt,
+// the k-steps [ks_lo, ks_hi) where neither factor is zero
 struct QlaLevelTile {
-  int p, mt, nt, a0, d0;
+  int p, mt, nt, a0, d0, ks_lo, ks_hi;
 };
 
+// level 16: one tile per warp, one k-step. Level 32, one pair, two k-steps, balanced over the warps: in C A^-1 the
+// columns nt >= 2 need only the second (A^-1 is lower triangular), so each warp takes one of each (nt = warp % 2 +
+// 2 w, mt = warp / 2); in D^-1 Y the rows mt = 0 need only the first, so each warp takes both rows (nt = warp, mt = w)
 template <int B>
-__device__ __forceinline__ QlaLevelTile qla_level_tile(int warp, int w) {
-  constexpr int NT = B / 8, PER_PAIR = (B / 16) * NT, PER_WARP = (64 / (2 * B)) * PER_PAIR / 4;
-  int q = warp * PER_WARP + w, p = q / PER_PAIR;
-  return {p, (q % PER_PAIR) / NT, q % NT, 2 * p * B, 2 * p * B + B};
+__device__ __forceinline__ QlaLevelTile qla_level_tile(int warp, int w, bool second) {
+  if (B == 16) return {warp / 2, 0, warp % 2, 32 * (warp / 2), 32 * (warp / 2) + 16, 0, 1};
+  if (!second) return {0, warp / 2, warp % 2 + 2 * w, 0, 32, w, 2};
+  return {0, w, warp, 0, 32, 0, w + 1};
 }
 
 // level B (16 or 32) on tensor cores: Y = C A^-1 into the scratch (fp16, row stride B + 8), then -D^-1 Y over C;
-// the 16x8 output tiles of all pairs are dealt to the four warps
+// the 16x8 output tiles of all pairs are dealt to the four warps (``qla_level_tile``)
 template <int B, int BAR>
 __device__ __forceinline__ void qla_inv_level_mma(__half* t, __half* yh, int tx) {
   constexpr int YS = B + 8, PER_WARP = (64 / (2 * B)) * (B / 16) * (B / 8) / 4;
@@ -132,8 +138,9 @@ __device__ __forceinline__ void qla_inv_level_mma(__half* t, __half* yh, int tx)
   float acc[4];
 #pragma unroll
   for (int w = 0; w < PER_WARP; ++w) {
-    QlaLevelTile u = qla_level_tile<B>(warp, w);
-    qla_tile_mma<B / 16>(acc, t, QLA_TS, u.d0 + 16 * u.mt, u.a0, t, QLA_TS, u.a0, u.a0 + 8 * u.nt, lane);
+    QlaLevelTile u = qla_level_tile<B>(warp, w, false);
+    qla_tile_mma<B / 16>(acc, t, QLA_TS, u.d0 + 16 * u.mt, u.a0, t, QLA_TS, u.a0, u.a0 + 8 * u.nt, lane, u.ks_lo,
+                         u.ks_hi);
     int y = (u.p * B + 16 * u.mt + row) * YS + 8 * u.nt + col;
     *reinterpret_cast<__half2*>(&yh[y]) = __floats2half2_rn(acc[0], acc[1]);
     *reinterpret_cast<__half2*>(&yh[y + 8 * YS]) = __floats2half2_rn(acc[2], acc[3]);
@@ -141,8 +148,9 @@ __device__ __forceinline__ void qla_inv_level_mma(__half* t, __half* yh, int tx)
   qla_wg_sync<BAR>();
 #pragma unroll
   for (int w = 0; w < PER_WARP; ++w) {
-    QlaLevelTile u = qla_level_tile<B>(warp, w);
-    qla_tile_mma<B / 16>(acc, t, QLA_TS, u.d0 + 16 * u.mt, u.d0, yh, YS, u.p * B, 8 * u.nt, lane);
+    QlaLevelTile u = qla_level_tile<B>(warp, w, true);
+    qla_tile_mma<B / 16>(acc, t, QLA_TS, u.d0 + 16 * u.mt, u.d0, yh, YS, u.p * B, 8 * u.nt, lane, u.ks_lo,
+                         u.ks_hi);
     int x = (u.d0 + 16 * u.mt + row) * QLA_TS + u.a0 + 8 * u.nt + col;  // C was read before the sync
     *reinterpret_cast<__half2*>(&t[x]) = __floats2half2_rn(-acc[0], -acc[1]);
     *reinterpret_cast<__half2*>(&t[x + 8 * QLA_TS]) = __floats2half2_rn(-acc[2], -acc[3]);
