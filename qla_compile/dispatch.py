@@ -115,15 +115,15 @@ def aux_like(q, k, v, cu_seqlens, opts: GDROptions | None = None, for_backward: 
     """Uninitialised tensors shaped like the forward's aux ``(tt, gb)``, flattened to 1-D (a dimension that may
     be 1 would cost a torch.compile guard and a recompile):
 
-    - Hopper: the forward's T~ (fp16 ``[n_slots, H_v, 64, 64]``) and [gamma; beta] (fp32
-      ``[n_slots, H_v, 2, 64]``) with ``n_slots = B*T // 64 + N``;
+    - Hopper, for a backward: the forward's T~ (fp16 ``[n_slots, H_v, 64, 64]``) and [gamma; beta] (fp32
+      ``[n_slots, H_v, 2, 64]``) with ``n_slots = B*T // 64 + N``; for a forward alone none (in those dtypes);
     - FLA's kernels, for a backward (:func:`_keeps_fla_aux`): FLA's A (``[B, T, H_v, 64]`` in k's dtype) and
       its chunk-local gate cumsum (fp32 ``[B, T, H_v]``), which FLA's backward takes;
     - else none: the backward recomputes."""
     impl = choose(q, k, v)[0]
     if impl == "hopper":
         n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        rows = (q.shape[0] * q.shape[1] // CHUNK + n_seq) * v.shape[2] * CHUNK
+        rows = (q.shape[0] * q.shape[1] // CHUNK + n_seq) * v.shape[2] * CHUNK if for_backward else 0
         return v.new_empty(rows * CHUNK, dtype=torch.float16), v.new_empty(rows * 2, dtype=torch.float32)
     n = q.shape[0] * q.shape[1] * v.shape[2] if impl == "fla" and _keeps_fla_aux(opts, for_backward) else 0
     return k.new_empty(n * CHUNK), v.new_empty(n, dtype=torch.float32)
@@ -212,9 +212,11 @@ def _hopper_backward(do, dht, act: Activated, qk, g, beta, A_log, dt_bias, initi
     ``act`` has the norms' rstd (the Triton activations normalised q and k)."""
     from .kernels.backward import chunk_gdr_bwd_hopper
 
-    if aux is not None:
+    if aux is not None and aux[0].numel():  # empty: the forward ran alone, so the backward recomputes
         h_v = act.v.shape[2]
         aux = (aux[0].view(-1, h_v, CHUNK, CHUNK), aux[1].view(-1, h_v, 2, CHUNK), aux[2])
+    else:
+        aux = None
     rstd = None if act.q_rstd is None else (act.q_rstd, act.k_rstd)
     dq, dk, dv, dga, dba, dh0 = chunk_gdr_bwd_hopper(
         do.contiguous(), _state_to_kv(dht, opts), act.q, act.k, act.v, act.g, act.beta, opts.scale,

@@ -96,7 +96,7 @@ def test_compile_dynamic_hopper_aux(varlen, dynamic, monkeypatch):
 
     def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, for_backward):
         assert for_backward  # the inputs require grad
-        tt, gb = dispatch.aux_like(q, k, v, cu_seqlens)
+        tt, gb = dispatch.aux_like(q, k, v, cu_seqlens, for_backward=True)
         o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
         cache = dispatch.cp_cache_like(q, k, v, cu_seqlens, for_backward)
         return o, ht, tt.fill_(1), gb.fill_(2), cache.fill_(3)

@@ -449,7 +449,8 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     hold garbage). ``tt``: T~ = (I + strictly_lower(diag(beta) K K^T))^-1, fp16 ``[n_slots, H_v, 64, 64]``;
     ``gb``: fp32 ``[n_slots, H_v, 2, 64]``, row 0 the in-chunk inclusive cumsum of g, row 1 beta; rows past
     a sequence's end have g = beta = 0 (so gamma repeats the last value and T~ has unit rows there).
-    ``tt`` and ``gb`` are left unwritten where a forward alone forms its inverse on chip (:func:`_onchip_inverse`).
+    Without ``for_backward`` (a forward alone) ``tt`` and ``gb`` come back empty: they are then only scratch,
+    and where the inverse is formed on chip (:func:`_onchip_inverse`) not even that.
     With ``use_qk_l2norm`` the kernels see the normalised q, k (done here with torch ops).
     ``context_parallel``: None chooses (``chunking.piece_chunks``, with ``for_backward`` the rule of a forward
     and backward pair), False never splits, an int splits every longer sequence into pieces of that many
@@ -468,7 +469,6 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
         q, k = l2norm_fp32(q), l2norm_fp32(k)
     n_tok = B * T
     n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    tt, gb, bad = _chunk_tables(n_tok, n_seq, h_v, q.device)
     cache = torch.empty(cp_cache_numel(n_tok, n_seq, h_v, dk, dv) if for_backward else 0, device=q.device,
                         dtype=torch.float32)
     if cache.numel():
@@ -477,6 +477,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
         ht = torch.zeros(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
         if initial_state is not None:
             ht.copy_(initial_state)
+        tt, gb, _ = _chunk_tables(n_tok, n_seq if for_backward else 0, h_v, q.device)
         return v.new_empty(v.shape), ht, tt, gb, torch.zeros(n_seq + 1, device=q.device, dtype=torch.int32), cache
     q3 = q.reshape(n_tok, h_qk, dk).contiguous()
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
@@ -485,6 +486,8 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device, for_backward)
     onchip = (cp is None and not for_backward and _block_dv(n_seq * h_v, dv) == dv
               and _onchip_inverse(n_seq * h_v))
+    tt, gb, bad = _chunk_tables(0 if onchip else n_tok, 0 if onchip else n_seq, h_v, q.device)
+    kept = (tt, gb) if for_backward else (tt[:0], gb[:0])
     if not onchip:
         _gate_inverse(k3, g, beta, spans, (tt, gb, bad), dtype)
     if cp is not None:
@@ -492,7 +495,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
         if for_backward:  # an explicit context_parallel may need more than the chosen plans' bound
             cache = filled
             _record_cache_plan(cache, cp)
-        return o.view(B, T, h_v, dv), ht, tt, gb, offsets, cache
+        return o.view(B, T, h_v, dv), ht, *kept, offsets, cache
     has_h0 = initial_state is not None
     h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
     o = torch.empty_like(v3)
@@ -503,7 +506,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     else:
         kernel = _state_kernel(dk, dv, dtype, has_h0, n_seq * h_v, pdl=True)  # it starts as kkt_inverse's last CTAs run
         kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], h0, float(scale), o, ht)  # cu[:1] = [0]: walk n to row n
-    return o.view(B, T, h_v, dv), ht, tt, gb, offsets, cache
+    return o.view(B, T, h_v, dv), ht, *kept, offsets, cache
 
 
 def chunk_gdr_fwd_hopper(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,

@@ -145,3 +145,54 @@ def test_compiled_training_saves_aux():
         for name, a, b in zip(names, *results):
             assert torch.equal(a, b), (T, name)
     assert counter.frame_count == 1
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("seqs", [[1000, 3000], [256] * 128], ids=["T~ path", "inverse on chip"])
+def test_forward_alone_keeps_no_aux(seqs):
+    """A forward no backward follows returns no T~ or [gamma; beta] (the op's real outputs and its fake's agree),
+    allocates none where it forms the inverse on chip (128 sequences x 1 v-head: the route), and its output meets
+    the float64 oracle as does the one of a forward that keeps them (bitwise the same where both take one route); a
+    backward given that empty aux recomputes them (bitwise the gradients of the Hopper backward without aux)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qla_compile import ops
+    from qla_compile.kernels import backward, forward
+
+    cu = [0]
+    for n in seqs:
+        cu.append(cu[-1] + n)
+    kw = make_inputs(T=cu[-1], H=1, HV=1, K=128, V=128, cu_seqlens=cu, dtype=torch.bfloat16, device="cuda")
+    kw["cu_seqlens"] = kw["cu_seqlens"].to(torch.int32)
+    assert forward._onchip_inverse(len(seqs)) == (len(seqs) >= 128)
+    args = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], None, None, None, kw["cu_seqlens"], 128**-0.5,
+            False, False, False, False, False)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    alone = ops.chunk_gdr_fwd(*args, False)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    kept = ops.chunk_gdr_fwd(*args, True)
+    assert alone[2].numel() == alone[3].numel() == 0 and kept[2].numel() > 0
+    if len(seqs) >= 128:  # the forward alone inverts on chip, the one that keeps T~ reads it: both meet the oracle
+        ref = _leaves(kw, torch.float64)
+        ro, rht = recurrent_gdr_reference(**{n: ref[n] for n in ("q", "k", "v", "g", "beta")},
+                                          cu_seqlens=kw["cu_seqlens"], output_final_state=True)
+        for out in (alone, kept):
+            assert rel_err(out[0], ro) < 5e-3 and rel_err(out[1], rht) < 5e-3
+        # the peak: o, the final state, the fp32 gates and small tables, no T~-sized buffer
+        tt_bytes = kept[2].numel() * 2
+        needed = alone[0].numel() * 2 + alone[1].numel() * 4 + kw["g"].numel() * 8
+        assert peak < needed + tt_bytes // 4, (peak, needed, tt_bytes)
+    else:  # one route: bitwise the same
+        assert torch.equal(alone[0], kept[0]) and torch.equal(alone[1], kept[1])
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = ops.chunk_gdr_fwd(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args), False)
+    for real, f in zip(alone, fake):
+        assert real.shape == f.shape and real.dtype == f.dtype
+    do = torch.randn_like(kw["v"])
+    grads = ops.chunk_gdr_bwd(do, None, *args[:15], alone[2], alone[3], alone[4])
+    recomputed = backward.chunk_gdr_bwd_hopper(do, None, *args[:5], 128**-0.5, None, kw["cu_seqlens"])
+    for name, a, b in zip(("q", "k", "v", "g", "beta"), grads, recomputed):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
