@@ -9,7 +9,8 @@ one 16x16 diagonal block on its own (its two 8x8 diagonal blocks by substitution
 two ``mma.sync`` m16n8k8), then for b = 16, 32 every pair [[A, 0], [C, D]] of b x b diagonal blocks (A^-1, D^-1
 already in place) gets -D^-1 (C A^-1) over C, by ``mma.sync`` m16n8k16. Every product has fp16 operands and fp32
 sums, C A^-1 rounded to fp16 between its two products (in the scratch at levels 16 and 32), as FlashInfer 0.7's T
-precompute does; every product reads whole tiles: the upper triangles are zeros.
+precompute does; the products read the upper triangles' zeros, but for level 32's k-steps where a factor is all zero
+(skipped).
 Entry point: ``qla_tile_inverse<BAR>(void* tile, void* scratch)``, ``scratch`` 4 KB of shared memory; ``BAR`` is the
 barrier its 128 threads meet at between steps: 0 (the default) ``__syncthreads`` for a CTA of one warpgroup, else the
 named barrier ``BAR`` for one warpgroup of a larger CTA (``qla_wg_sync<BAR>``).
