@@ -50,7 +50,8 @@ from .tile_inverse import TILE_STRIDE
 # setmaxnreg per warpgroup (aux, state 0, state 1, producer): sums to 512 = 65536 registers / 128.
 _NREG = (104, 192, 192, 24)
 LV_BIT = 1 << 30  # i & LV_BIT is 0 (fewer chunks), but not provably: masks stay inside the chunk loop
-_STAGES = 3  # the input ring's depth: the loads of chunk i wait for chunk i - 3 to be consumed
+_STAGES = 3  # the input ring's depth (the per-stage branches below are written out for three): the loads of chunk i
+# wait for chunk i - 3 to be consumed
 _AUX_BARRIER = 8  # the aux warpgroup's named barrier with ``inverse`` (TileLang's own are 0 and 3-5)
 # with ``inverse``: a producer warp's gate tables, [gamma; beta] of one chunk and v-head by a warp scan, and the
 # state warpgroups' column tables from them (``column_tables``'s e_b, scale e_b, r_b), off the aux warpgroup's path
