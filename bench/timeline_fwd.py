@@ -46,7 +46,7 @@ def traced_forward(x):
     tr = torch.zeros(chunk_recurrence.TRACE_CTAS, 4, chunk_recurrence.TRACE_CHUNKS, chunk_recurrence.TRACE_EVENTS,
                      dtype=torch.int64, device="cuda")
 
-    def traced(dk, dv, dtype, has_h0, n_ctas):
+    def traced(dk, dv, dtype, has_h0, n_ctas, device, pdl=False):
         """The unsplit forward's recurrence as chunk_fwd_ws over all of V, traced (the forward itself takes
         split_state_recurrence there)."""
         kernel = chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=dv, pdl=True,
@@ -76,7 +76,7 @@ def split_ms(x):
     cu, offsets, order, spans = forward._tables(x["cu"], 1, n_tok, q3.device)
     tt, gb, bad = forward._chunk_tables(n_tok, n_seq, h_v, q3.device)
     o, ht = torch.empty_like(v3), torch.empty_like(x["h0"])
-    kernel = forward._state_kernel(dk, dv, "bfloat16", True, n_seq * h_v)
+    kernel = forward._state_kernel(dk, dv, "bfloat16", True, n_seq * h_v, q3.device)
     steps = {
         "tables": lambda: forward._tables(x["cu"], 1, n_tok, q3.device),
         "kkt_inverse": lambda: forward._gate_inverse(k3, x["g"], x["beta"], spans, (tt, gb, bad), "bfloat16"),

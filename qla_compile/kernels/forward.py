@@ -359,13 +359,30 @@ def _block_dv(n_ctas, dv):
     return dv if n_ctas >= _FULL_DV_MIN_CTAS else dv // 2
 
 
-def _state_kernel(dk, dv, dtype, has_h0, n_ctas, pdl=False):
+@functools.cache
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _split_state(n_pairs, device, **params):
+    """``split_state_recurrence.chunk_fwd_split(**params)`` for ``n_pairs`` (sequence or piece, v-head) pairs, called
+    as ``chunk_recurrence.chunk_fwd_ws``: its CTA count filled in after ``scale``. With the inverse on chip one CTA
+    per SM at most, each walking pairs (its next pair's first inverse and h0 go under the pair before: 1.03-1.07x at
+    512x64, H100); over T~ one per pair (walking was 0.94-0.98x there)."""
+    kernel = split_state_recurrence.chunk_fwd_split(**params)
+    n_cta = n_pairs
+    if params.get("inverse"):
+        n_cta = min(n_pairs, _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+    return lambda *args: kernel(*args[:-2], n_cta, *args[-2:])
+
+
+def _state_kernel(dk, dv, dtype, has_h0, n_ctas, device, pdl=False):
     """The forward's chunk recurrence for ``n_ctas`` (sequence or piece, v-head) pairs:
     ``split_state_recurrence.chunk_fwd_split`` over all of V, else ``chunk_recurrence.chunk_fwd_ws`` over half of it
     (:func:`_block_dv`; ``pdl``: launched right after ``kkt_inverse``, the split-state one always may be); the same
     call and outputs."""
     if _block_dv(n_ctas, dv) == dv:
-        return split_state_recurrence.chunk_fwd_split(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0)
+        return _split_state(n_ctas, device, dk=dk, dv=dv, dtype=dtype, has_h0=has_h0)
     return chunk_recurrence.chunk_fwd_ws(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, block_dv=dv // 2, pdl=pdl)
 
 
@@ -435,7 +452,7 @@ def _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, pieces, fo
                                                 for_backward, cache)
     o = torch.empty_like(v3)
     ht = torch.empty(pieces.seq_pieces.numel() - 1, *h0p.shape[1:], device=h0p.device, dtype=h0p.dtype)
-    kernel = _state_kernel(k3.shape[2], v3.shape[2], dtype, True, pieces.order.numel() * v3.shape[1])
+    kernel = _state_kernel(k3.shape[2], v3.shape[2], dtype, True, pieces.order.numel() * v3.shape[1], q3.device)
     kernel(q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, pieces.ht_row, h0p, float(scale), o, ht)
     return o, ht, cache
 
@@ -501,10 +518,11 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
     if onchip:
-        kernel = split_state_recurrence.chunk_fwd_split(dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, inverse=True)
+        kernel = _split_state(n_seq * h_v, q.device, dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, inverse=True)
         kernel(q3, k3, v3, *_token_gates(g, beta, n_tok, h_v), cu, order, cu[:1], h0, float(scale), o, ht)
     else:
-        kernel = _state_kernel(dk, dv, dtype, has_h0, n_seq * h_v, pdl=True)  # it starts as kkt_inverse's last CTAs run
+        # launched as kkt_inverse's last CTAs run
+        kernel = _state_kernel(dk, dv, dtype, has_h0, n_seq * h_v, q.device, pdl=True)
         kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], h0, float(scale), o, ht)  # cu[:1] = [0]: walk n to row n
     return o.view(B, T, h_v, dv), ht, *kept, offsets, cache
 

@@ -1,7 +1,8 @@
 """The GDN forward chunk recurrence on SM90 with the state in registers, split over two warpgroups (chunk C = 64).
 
-One CTA per (sequence, v-head) over all of V = 128, 512 threads, looping over the sequence's chunks; T~ and the
-gate cumsum come from ``kkt_inverse`` (notation and chunk numbering there). State warpgroup w holds its half of
+One CTA per SM at most, 512 threads, walking (sequence, v-head) pairs over all of V = 128 (``load_pair``), each
+pair's chunks in turn, the input ring running on from one pair into the next; T~ and the gate cumsum come from
+``kkt_inverse`` (notation and chunk numbering there). State warpgroup w holds its half of
 the state transposed, S^T[v, :] for v in [64 w, 64 w + 64) (fp32 registers, as two 64-column halves of d), and
 uses it as the register A operand of its wgmmas, so S never goes through shared memory. Per chunk, with tokens b
 as columns:
@@ -48,7 +49,7 @@ from .tile_inverse import CUDA as TILE_INVERSE_CUDA
 from .tile_inverse import TILE_STRIDE
 
 # setmaxnreg per warpgroup (aux, state 0, state 1, producer): sums to 512 = 65536 registers / 128.
-_NREG = (104, 192, 192, 24)
+_NREG = (96, 192, 192, 32)
 LV_BIT = 1 << 30  # i & LV_BIT is 0 (fewer chunks), but not provably: masks stay inside the chunk loop
 _STAGES = 3  # the input ring's depth (the per-stage branches below are written out for three): the loads of chunk i
 # wait for chunk i - 3 to be consumed
@@ -81,6 +82,15 @@ __device__ __forceinline__ void qla_gate_scan(const float* g, const float* beta,
   cf[128 + i1] = i1 < length ? qla_ex2((last - s) * QLA_LOG2E) : 0.f;
 }
 """.replace("QLA_LOG2E", f"{_LOG2E!r}f")
+
+
+# lines of one (sequence, v-head)'s h0 into L2, kept there (evict_last) until the state warpgroups load them
+_PREFETCH = r"""
+__device__ __forceinline__ void qla_prefetch_l2(const void* p, int bytes, int lane) {
+  for (int o = 128 * lane; o < bytes; o += 32 * 128)
+    asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(static_cast<const char*>(p) + o));
+}
+"""
 
 
 def _acc(rows, cols, transposed=False):
@@ -134,6 +144,16 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             """No timeline: nothing enters the kernel."""
     acc, half = "float32", "float16"
     DH = dk // 2  # a half of d: the stacked [K; Q] tiles are 64 columns wide
+
+    @T.macro
+    def load_pair(pv, order, cu_seqlens, cta, n_cta, w):
+        """``pv`` = (v-head, launch rank, sequence, first token, length) of the CTA's w-th (sequence, v-head) pair:
+        pair cta + w n_cta of the launch order (``order``'s sequences, each with its v-heads in turn)."""
+        pv[0] = T.truncmod(cta + w * n_cta, h_v)
+        pv[1] = T.truncdiv(cta + w * n_cta, h_v)
+        pv[2] = order[pv[1]]
+        pv[3] = cu_seqlens[pv[2]]
+        pv[4] = cu_seqlens[pv[2] + 1] - pv[3]
 
     @T.macro
     def uo_products(a_lo, a_hi, kq, r, uo_f):
@@ -195,8 +215,8 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                     o[start + a, hv, b] = ob[a, b]
 
     @T.macro
-    def state(kq, vb, ttb, gb_s, cf_s, pb, ob, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows, seq, hv, bos,
-              seqlen, n_iter, tr, rank):
+    def state(kq, vb, ttb, gb_s, cf_s, pb, ob, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows, order,
+              cu_seqlens, cta, n_cta, n_pairs, tr):
         """The two state warpgroups as one 256-thread consumer, one copy of the code: warpgroup w holds rows v in
         [64 w, 64 w + 64) of S^T and O^T (``ROWS``). ``vb``: the V tile of each stage, ``ob``: the O tile (whole
         2-D buffers: TileLang lowers copies of those to ldmatrix/stmatrix)."""
@@ -215,75 +235,82 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
         ot = T.alloc_fragment((C, dv), dtype)
         T.annotate_layout({vt: _acc(dv, C, transposed=True), ot: _acc(dv, C, transposed=True)})
         decay = T.alloc_var(acc)
+        ring = T.alloc_var("int32", init=0)  # chunks walked before this pair's: the ring's stage and phase
+        pv = T.alloc_local((5,), "int32")  # the pair (``load_pair``)
         T.pdl_sync()
-        if has_h0:
-            for a, d in T.Parallel(dv, DH):
-                s_lo[a, d] = h0[seq, hv, d, a]
-                s_hi[a, d] = h0[seq, hv, DH + d, a]
-        else:
-            T.clear(s_lo)
-            T.clear(s_hi)
-        for i in T.serial(n_iter):
-            st = i % _STAGES
-            ph = (i // _STAGES) % 2
-            start = bos + i * C
-            length = T.min(seqlen - i * C, C)
-            mark(tr, hv, rank, 1, i, 0)
-            T.barrier_wait(full[st], ph)
-            mark(tr, hv, rank, 1, i, 1)
-            for a, d in T.Parallel(dv, DH):
-                a_lo[a, d] = T.cast(s_lo[a, d], dtype)
-                a_hi[a, d] = T.cast(s_hi[a, d], dtype)
-            uo_products(a_lo, a_hi, kq, st * 2 * C, uo_f)
-            if st == 0:
-                T.copy(vb[0], vt)
-            elif st == 1:
-                T.copy(vb[1], vt)
+        for w in T.serial(n_pairs):
+            load_pair(pv, order, cu_seqlens, cta, n_cta, w)
+            hv, rank, seq, bos, seqlen = pv[0], pv[1], pv[2], pv[3], pv[4]
+            n_iter = T.ceildiv(seqlen, C)
+            if has_h0:
+                for a, d in T.Parallel(dv, DH):
+                    s_lo[a, d] = h0[seq, hv, d, a]
+                    s_hi[a, d] = h0[seq, hv, DH + d, a]
             else:
-                T.copy(vb[2], vt)
-            decay = _exp(gb_s[st, 0, C - 1])
-            T.barrier_wait(ag_ready[st], ph)
-            mark(tr, hv, rank, 1, i, 2)
-            T.wait_wgmma(0)
-            for a, b in T.Parallel(dv, C):
-                w_h[a, b] = T.cast(T.cast(vt[b, a], acc) - cf_s[st, 0, b] * uo_f[a, b], half)
-            if st == 0:
-                T.wgmma_gemm(w_h, ttb[0], vp_f, transpose_B=True, policy=ROWS, clear_accum=True)
-            elif st == 1:
-                T.wgmma_gemm(w_h, ttb[1], vp_f, transpose_B=True, policy=ROWS, clear_accum=True)
-            else:
-                T.wgmma_gemm(w_h, ttb[2], vp_f, transpose_B=True, policy=ROWS, clear_accum=True)
-            for a, d in T.Parallel(dv, DH):
-                s_lo[a, d] = s_lo[a, d] * decay
-                s_hi[a, d] = s_hi[a, d] * decay
-            T.wait_wgmma(0)
-            for a, b in T.Parallel(dv, C):
-                vp_h[a, b] = T.cast(vp_f[a, b], half)
-                vr[a, b] = T.cast(vp_f[a, b] * cf_s[st, 2, b], dtype)
-            T.barrier_wait(p_ready[st], ph)
-            mark(tr, hv, rank, 1, i, 3)
-            if st == 0:
-                T.wgmma_gemm(vp_h, pb[0], o2_f, transpose_B=True, policy=ROWS, clear_accum=True)
-            elif st == 1:
-                T.wgmma_gemm(vp_h, pb[1], o2_f, transpose_B=True, policy=ROWS, clear_accum=True)
-            else:
-                T.wgmma_gemm(vp_h, pb[2], o2_f, transpose_B=True, policy=ROWS, clear_accum=True)
-            update(vr, kq, st * 2 * C, s_lo, s_hi)
-            T.wait_wgmma(2)  # P_g V' done (the two state products may still run)
-            for a, b in T.Parallel(dv, C):
-                ot[b, a] = T.cast(uo_f[a, C + b] * cf_s[st, 1, b] + o2_f[a, b], dtype)
-            T.tma_store_wait(0)  # the previous chunk's store has read ob
-            T.copy(ot, ob)
-            store_o(ob, o, start, length, hv)
-            T.wait_wgmma(0)
-            T.barrier_arrive(empty[st])
-            mark(tr, hv, rank, 1, i, 4)
+                T.clear(s_lo)
+                T.clear(s_hi)
+            for i in T.serial(n_iter):
+                st = (ring + i) % _STAGES
+                ph = ((ring + i) // _STAGES) % 2
+                start = bos + i * C
+                length = T.min(seqlen - i * C, C)
+                mark(tr, hv, rank, 1, i, 0)
+                T.barrier_wait(full[st], ph)
+                mark(tr, hv, rank, 1, i, 1)
+                for a, d in T.Parallel(dv, DH):
+                    a_lo[a, d] = T.cast(s_lo[a, d], dtype)
+                    a_hi[a, d] = T.cast(s_hi[a, d], dtype)
+                uo_products(a_lo, a_hi, kq, st * 2 * C, uo_f)
+                if st == 0:
+                    T.copy(vb[0], vt)
+                elif st == 1:
+                    T.copy(vb[1], vt)
+                else:
+                    T.copy(vb[2], vt)
+                decay = _exp(gb_s[st, 0, C - 1])
+                T.barrier_wait(ag_ready[st], ph)
+                mark(tr, hv, rank, 1, i, 2)
+                T.wait_wgmma(0)
+                for a, b in T.Parallel(dv, C):
+                    w_h[a, b] = T.cast(T.cast(vt[b, a], acc) - cf_s[st, 0, b] * uo_f[a, b], half)
+                if st == 0:
+                    T.wgmma_gemm(w_h, ttb[0], vp_f, transpose_B=True, policy=ROWS, clear_accum=True)
+                elif st == 1:
+                    T.wgmma_gemm(w_h, ttb[1], vp_f, transpose_B=True, policy=ROWS, clear_accum=True)
+                else:
+                    T.wgmma_gemm(w_h, ttb[2], vp_f, transpose_B=True, policy=ROWS, clear_accum=True)
+                for a, d in T.Parallel(dv, DH):
+                    s_lo[a, d] = s_lo[a, d] * decay
+                    s_hi[a, d] = s_hi[a, d] * decay
+                T.wait_wgmma(0)
+                for a, b in T.Parallel(dv, C):
+                    vp_h[a, b] = T.cast(vp_f[a, b], half)
+                    vr[a, b] = T.cast(vp_f[a, b] * cf_s[st, 2, b], dtype)
+                T.barrier_wait(p_ready[st], ph)
+                mark(tr, hv, rank, 1, i, 3)
+                if st == 0:
+                    T.wgmma_gemm(vp_h, pb[0], o2_f, transpose_B=True, policy=ROWS, clear_accum=True)
+                elif st == 1:
+                    T.wgmma_gemm(vp_h, pb[1], o2_f, transpose_B=True, policy=ROWS, clear_accum=True)
+                else:
+                    T.wgmma_gemm(vp_h, pb[2], o2_f, transpose_B=True, policy=ROWS, clear_accum=True)
+                update(vr, kq, st * 2 * C, s_lo, s_hi)
+                T.wait_wgmma(2)  # P_g V' done (the two state products may still run)
+                for a, b in T.Parallel(dv, C):
+                    ot[b, a] = T.cast(uo_f[a, C + b] * cf_s[st, 1, b] + o2_f[a, b], dtype)
+                T.tma_store_wait(0)  # the previous chunk's store has read ob
+                T.copy(ot, ob)
+                store_o(ob, o, start, length, hv)
+                T.wait_wgmma(0)
+                T.barrier_arrive(empty[st])
+                mark(tr, hv, rank, 1, i, 4)
+            ring = ring + n_iter
+            row = T.if_then_else(n_rows == n_seq1 - 1, ht_rows[seq], seq)
+            if row >= 0:
+                for a, d in T.Parallel(dv, DH):
+                    ht[row, hv, d, a] = s_lo[a, d]
+                    ht[row, hv, DH + d, a] = s_hi[a, d]
         T.tma_store_wait(0)
-        row = T.alloc_var("int32", init=T.if_then_else(n_rows == n_seq1 - 1, ht_rows[seq], seq))
-        if row >= 0:
-            for a, d in T.Parallel(dv, DH):
-                ht[row, hv, d, a] = s_lo[a, d]
-                ht[row, hv, DH + d, a] = s_hi[a, d]
 
     @T.macro
     def fill_tile(t_s, p_f, gb_s, st):
@@ -323,10 +350,13 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
         mark(tr, hv, rank, 2, i, 6)
 
     @T.macro
-    def body(q, k, v, tt, gb, g, beta, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, o, ht, tr):
-        # the sequence is the slowest grid dimension: CTAs start in ``order``, every head of a sequence together
-        with T.Kernel(h_v, n_seq1 - 1, threads=512) as (hv, rank):
-            T.import_source(_PTX + (TILE_INVERSE_CUDA + _GATE_SCAN if inverse else "") + (_CLOCK if trace else ""))
+    def body(q, k, v, tt, gb, g, beta, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, n_cta, o, ht, tr):
+        # n_cta CTAs (one per SM at most), each walking (sequence, v-head) pairs n_cta apart in the launch order
+        # (``pair``): every v-head of a sequence together, and one pair's first loads and inverse under the last
+        # chunks of the one before
+        with T.Kernel(n_cta, threads=512) as cta:
+            T.import_source(_PTX + (TILE_INVERSE_CUDA + _GATE_SCAN if inverse else "") + (_PREFETCH if has_h0 else "")
+                            + (_CLOCK if trace else ""))
             # three-stage input ring, filled by TMA (and with ``inverse`` the tables' warp)
             # [half of d]: per stage, K in rows [2 C st, 2 C st + C) and Q in the next C (wgmma operands and TMA
             # destinations at a row offset, so the products are issued from one copy of the code for all stages)
@@ -345,13 +375,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             ag_ready = T.alloc_barrier([128] * _STAGES)  # the column tables and A_g of the stage
             p_ready = T.alloc_barrier([128] * _STAGES)  # P_g of the stage
 
-            seq = T.alloc_var("int32", init=order[rank])
-            hk = hv // (h_v // h_qk)
-            bos = cu_seqlens[seq]
-            seqlen = cu_seqlens[seq + 1] - bos
-            if not inverse:
-                coff = chunk_offsets[seq]
-            n_iter = T.ceildiv(seqlen, C)
+            n_pairs = T.truncdiv((n_seq1 - 1) * h_v - cta + n_cta - 1, n_cta)  # this CTA's
             tx = T.get_thread_binding()
 
             if tx < 128:  # WG0: the aux warpgroup
@@ -366,107 +390,128 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                     scratch = T.alloc_shared((1024,), acc)  # the inverse's C A^-1
                 else:
                     log2_scale = _lg2(scale)
-                for i in T.serial(n_iter):
-                    st = i % _STAGES
-                    mark(tr, hv, rank, 0, i, 0)
-                    T.barrier_wait(full[st], (i // _STAGES) % 2)
-                    mark(tr, hv, rank, 0, i, 1)
-                    if inverse:  # the tables' warp formed the column tables; K K^T first: the fill waits for it
-                        qk_product(kq, st * 2 * C, p_f, 0)
-                        lv = i & LV_BIT
+                ring = T.alloc_var("int32", init=0)  # chunks walked before this pair's (as ``state``)
+                pv = T.alloc_local((5,), "int32")
+                for w in T.serial(n_pairs):
+                    load_pair(pv, order, cu_seqlens, cta, n_cta, w)
+                    hv, rank, seq, bos, seqlen = pv[0], pv[1], pv[2], pv[3], pv[4]
+                    for i in T.serial(T.ceildiv(seqlen, C)):
+                        st = (ring + i) % _STAGES
+                        mark(tr, hv, rank, 0, i, 0)
+                        T.barrier_wait(full[st], ((ring + i) // _STAGES) % 2)
+                        mark(tr, hv, rank, 0, i, 1)
+                        if inverse:  # the tables' warp formed the column tables; K K^T first: the fill waits for it
+                            qk_product(kq, st * 2 * C, p_f, 0)
+                            lv = i & LV_BIT
+                            T.wait_wgmma(0)
+                            mark(tr, hv, rank, 0, i, 2)
+                            fill_tile(t_s, p_f, gb_s, st)
+                            gate_factors(e_h, gb_s, st, lv)
+                            invert_tile(t_s, scratch, tr, hv, rank, i)
+                            gate_tile(t_s, a_h, e_h, gb_s, st, tr, hv, rank, i)
+                            mark(tr, hv, rank, 0, i, 3)
+                            if st == 0:
+                                T.copy(a_h, ttb[0])
+                            elif st == 1:
+                                T.copy(a_h, ttb[1])
+                            else:
+                                T.copy(a_h, ttb[2])
+                            T.fence_proxy_async()
+                            T.barrier_arrive(ag_ready[st])
+                            mark(tr, hv, rank, 0, i, 4)
+                            qk_product(kq, st * 2 * C, p_f)
+                        else:
+                            column_tables(cf_s, gb_s, st, T.min(seqlen - i * C, C), scale)
+                            if st == 0:
+                                gate_inverse(ttb[0], a_h, gb_s, st)
+                            elif st == 1:
+                                gate_inverse(ttb[1], a_h, gb_s, st)
+                            else:
+                                gate_inverse(ttb[2], a_h, gb_s, st)
+                            T.fence_proxy_async()
+                            T.barrier_arrive(ag_ready[st])
+                            # Q K^T only now: a wgmma issued earlier waits behind the state warpgroups' in the tensor
+                            # pipe and holds up everything after it
+                            qk_product(kq, st * 2 * C, p_f)
                         T.wait_wgmma(0)
-                        mark(tr, hv, rank, 0, i, 2)
-                        fill_tile(t_s, p_f, gb_s, st)
-                        gate_factors(e_h, gb_s, st, lv)
-                        invert_tile(t_s, scratch, tr, hv, rank, i)
-                        gate_tile(t_s, a_h, e_h, gb_s, st, tr, hv, rank, i)
-                        mark(tr, hv, rank, 0, i, 3)
-                        if st == 0:
-                            T.copy(a_h, ttb[0])
-                        elif st == 1:
-                            T.copy(a_h, ttb[1])
+                        if inverse:  # P_g in fp16 (as the tile it goes to), into A_g's fragment
+                            for a, b in T.Parallel(C, C):
+                                a_h[a, b] = T.cast(p_f[a, b] * scale, half) * e_h[a, b]
+                            if st == 0:
+                                T.copy(a_h, pb[0])
+                            elif st == 1:
+                                T.copy(a_h, pb[1])
+                            else:
+                                T.copy(a_h, pb[2])
                         else:
-                            T.copy(a_h, ttb[2])
+                            for a, b in T.Parallel(C, C):
+                                p_f[a, b] = p_f[a, b] * _gamma_times(gb_s, st, a, b, row_log2=log2_scale)
+                            if st == 0:
+                                T.copy(p_f, pb[0])
+                            elif st == 1:
+                                T.copy(p_f, pb[1])
+                            else:
+                                T.copy(p_f, pb[2])
                         T.fence_proxy_async()
-                        T.barrier_arrive(ag_ready[st])
-                        mark(tr, hv, rank, 0, i, 4)
-                        qk_product(kq, st * 2 * C, p_f)
-                    else:
-                        column_tables(cf_s, gb_s, st, T.min(seqlen - i * C, C), scale)
-                        if st == 0:
-                            gate_inverse(ttb[0], a_h, gb_s, st)
-                        elif st == 1:
-                            gate_inverse(ttb[1], a_h, gb_s, st)
-                        else:
-                            gate_inverse(ttb[2], a_h, gb_s, st)
-                        T.fence_proxy_async()
-                        T.barrier_arrive(ag_ready[st])
-                        # Q K^T only now: a wgmma issued earlier waits behind the state warpgroups' in the tensor
-                        # pipe and holds up everything after it
-                        qk_product(kq, st * 2 * C, p_f)
-                    T.wait_wgmma(0)
-                    if inverse:  # P_g in fp16 (as the tile it goes to), into A_g's fragment
-                        for a, b in T.Parallel(C, C):
-                            a_h[a, b] = T.cast(p_f[a, b] * scale, half) * e_h[a, b]
-                        if st == 0:
-                            T.copy(a_h, pb[0])
-                        elif st == 1:
-                            T.copy(a_h, pb[1])
-                        else:
-                            T.copy(a_h, pb[2])
-                    else:
-                        for a, b in T.Parallel(C, C):
-                            p_f[a, b] = p_f[a, b] * _gamma_times(gb_s, st, a, b, row_log2=log2_scale)
-                        if st == 0:
-                            T.copy(p_f, pb[0])
-                        elif st == 1:
-                            T.copy(p_f, pb[1])
-                        else:
-                            T.copy(p_f, pb[2])
-                    T.fence_proxy_async()
-                    T.barrier_arrive(p_ready[st])
-                    T.barrier_arrive(empty[st])
-                    mark(tr, hv, rank, 0, i, 5)
+                        T.barrier_arrive(p_ready[st])
+                        T.barrier_arrive(empty[st])
+                        mark(tr, hv, rank, 0, i, 5)
+                    ring = ring + T.ceildiv(seqlen, C)
             elif tx < 384:
-                state(kq, vb, ttb, gb_s, cf_s, pb, ob, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows, seq, hv,
-                      bos, seqlen, n_iter, tr, rank)
+                state(kq, vb, ttb, gb_s, cf_s, pb, ob, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows, order,
+                      cu_seqlens, cta, n_cta, n_pairs, tr)
             else:  # WG3: producer warps
                 T.set_max_nreg(_NREG[3], 0)
                 if (tx >= 448) & (tx < 480):  # the tables' warp (q, k, v may load before the previous kernel ends)
                     T.pdl_sync()
-                for i in T.serial(n_iter):
-                    st = i % _STAGES
-                    start = bos + i * C
-                    if tx < 416:
-                        mark(tr, hv, rank, 3, i, 0)
-                        T.barrier_wait(empty[st], (i // _STAGES + 1) % 2)
-                        mark(tr, hv, rank, 3, i, 1)
-                        load_kq(q, k, kq, start, hk, full, st)
-                        T.barrier_arrive(full[st])
-                    elif tx < 448:
-                        T.barrier_wait(empty[st], (i // _STAGES + 1) % 2)
-                        if st == 0:
-                            T.tma_copy(v[start : start + C, hv, :], vb[0], barrier=full[st])
-                        elif st == 1:
-                            T.tma_copy(v[start : start + C, hv, :], vb[1], barrier=full[st])
-                        else:
-                            T.tma_copy(v[start : start + C, hv, :], vb[2], barrier=full[st])
-                        T.barrier_arrive(full[st])
-                    elif tx < 480:
-                        T.barrier_wait(empty[st], (i // _STAGES + 1) % 2)
-                        if inverse:
-                            T.call_extern("handle", "qla_gate_scan", T.address_of(g[start, hv]),
-                                          T.address_of(beta[start, hv]), h_v, T.min(seqlen - i * C, C), scale,
-                                          T.address_of(gb_s[st, 0, 0]), T.address_of(cf_s[st, 0, 0]), tx % 32)
-                        else:
+                ring = T.alloc_var("int32", init=0)
+                pv = T.alloc_local((5,), "int32")
+                for w in T.serial(n_pairs):
+                    load_pair(pv, order, cu_seqlens, cta, n_cta, w)
+                    hv, rank, seq, bos, seqlen = pv[0], pv[1], pv[2], pv[3], pv[4]
+                    hk = T.truncdiv(hv, T.truncdiv(h_v, h_qk))
+                    if not inverse:
+                        coff = chunk_offsets[seq]
+                    for i in T.serial(T.ceildiv(seqlen, C)):
+                        st = (ring + i) % _STAGES
+                        start = bos + i * C
+                        if tx < 416:
+                            mark(tr, hv, rank, 3, i, 0)
+                            T.barrier_wait(empty[st], ((ring + i) // _STAGES + 1) % 2)
+                            mark(tr, hv, rank, 3, i, 1)
+                            load_kq(q, k, kq, start, hk, full, st)
+                            T.barrier_arrive(full[st])
+                        elif tx < 448:
+                            T.barrier_wait(empty[st], ((ring + i) // _STAGES + 1) % 2)
                             if st == 0:
-                                T.tma_copy(tt[coff + i, hv, :, :], ttb[0], barrier=full[st])
+                                T.tma_copy(v[start : start + C, hv, :], vb[0], barrier=full[st])
                             elif st == 1:
-                                T.tma_copy(tt[coff + i, hv, :, :], ttb[1], barrier=full[st])
+                                T.tma_copy(v[start : start + C, hv, :], vb[1], barrier=full[st])
                             else:
-                                T.tma_copy(tt[coff + i, hv, :, :], ttb[2], barrier=full[st])
-                            T.tma_copy(gb[coff + i, hv, :, :], gb_s[st, :, :], barrier=full[st])
-                        T.barrier_arrive(full[st])
+                                T.tma_copy(v[start : start + C, hv, :], vb[2], barrier=full[st])
+                            T.barrier_arrive(full[st])
+                            if has_h0:  # the next pair's h0 into L2 with its last chunk's V: its load then waits less
+                                if (i == T.ceildiv(seqlen, C) - 1) & (w + 1 < n_pairs):
+                                    T.call_extern("handle", "qla_prefetch_l2",
+                                                  T.address_of(h0[order[T.truncdiv(cta + (w + 1) * n_cta, h_v)],
+                                                                  T.truncmod(cta + (w + 1) * n_cta, h_v), 0, 0]),
+                                                  dk * dv * 4, tx % 32)
+                        elif tx < 480:
+                            T.barrier_wait(empty[st], ((ring + i) // _STAGES + 1) % 2)
+                            if inverse:
+                                T.call_extern("handle", "qla_gate_scan", T.address_of(g[start, hv]),
+                                              T.address_of(beta[start, hv]), h_v, T.min(seqlen - i * C, C), scale,
+                                              T.address_of(gb_s[st, 0, 0]), T.address_of(cf_s[st, 0, 0]), tx % 32)
+                            else:
+                                if st == 0:
+                                    T.tma_copy(tt[coff + i, hv, :, :], ttb[0], barrier=full[st])
+                                elif st == 1:
+                                    T.tma_copy(tt[coff + i, hv, :, :], ttb[1], barrier=full[st])
+                                else:
+                                    T.tma_copy(tt[coff + i, hv, :, :], ttb[2], barrier=full[st])
+                                T.tma_copy(gb[coff + i, hv, :, :], gb_s[st, :, :], barrier=full[st])
+                            T.barrier_arrive(full[st])
+                    ring = ring + T.ceildiv(seqlen, C)
 
     if inverse and trace:
         @T.prim_func
@@ -481,11 +526,12 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             ht_rows: T.Tensor((n_rows,), "int32"),
             h0: T.Tensor((n_h0, h_v, dk, dv), acc),
             scale: T.float32,
+            n_cta: T.int32,
             o: T.Tensor((n_tok, h_v, dv), dtype),
             ht: T.Tensor((n_ht, h_v, dk, dv), acc),
             tr: T.Tensor((TRACE_CTAS, 4, TRACE_CHUNKS, TRACE_EVENTS), "int64"),
         ):
-            body(q, k, v, None, None, g, beta, cu_seqlens, None, order, ht_rows, h0, scale, o, ht, tr)
+            body(q, k, v, None, None, g, beta, cu_seqlens, None, order, ht_rows, h0, scale, n_cta, o, ht, tr)
 
         return kernel_onchip_traced
 
@@ -502,10 +548,11 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             ht_rows: T.Tensor((n_rows,), "int32"),
             h0: T.Tensor((n_h0, h_v, dk, dv), acc),
             scale: T.float32,
+            n_cta: T.int32,
             o: T.Tensor((n_tok, h_v, dv), dtype),
             ht: T.Tensor((n_ht, h_v, dk, dv), acc),
         ):
-            body(q, k, v, None, None, g, beta, cu_seqlens, None, order, ht_rows, h0, scale, o, ht, None)
+            body(q, k, v, None, None, g, beta, cu_seqlens, None, order, ht_rows, h0, scale, n_cta, o, ht, None)
 
         return kernel_onchip
 
@@ -522,10 +569,11 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
         ht_rows: T.Tensor((n_rows,), "int32"),
         h0: T.Tensor((n_h0, h_v, dk, dv), acc),
         scale: T.float32,
+        n_cta: T.int32,
         o: T.Tensor((n_tok, h_v, dv), dtype),
         ht: T.Tensor((n_ht, h_v, dk, dv), acc),
     ):
-        body(q, k, v, tt, gb, None, None, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, o, ht, None)
+        body(q, k, v, tt, gb, None, None, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, n_cta, o, ht, None)
 
     return kernel
 

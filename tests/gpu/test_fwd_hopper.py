@@ -41,6 +41,11 @@ def _case(B, T, H, HV, dtype, cu_seqlens=None, h0=True, l2norm=False, seed=0):
     return kw, args
 
 
+# 48 sequences of 0 to 210 tokens (empty ones, single tokens, partial and whole chunks)
+_WALK_CU = [0]
+for _i in range(48):
+    _WALK_CU.append(_WALK_CU[-1] + (37 * _i) % 211)
+
 CASES = {
     # name: (B, T, H, HV, dtype, cu_seqlens, h0, l2norm)
     "dense-gva4-T300-h0": (2, 300, 2, 8, torch.bfloat16, None, True, False),
@@ -49,6 +54,8 @@ CASES = {
     "varlen-gva2-fp16-h0": (1, 777, 2, 4, torch.float16, [0, 63, 64, 65, 777], True, False),
     "l2norm-in-kernel": (1, 200, 2, 2, torch.bfloat16, None, True, True),
     "many-heads-varlen-h0": (1, 900, 4, 32, torch.bfloat16, [0, 64, 300, 301, 900], True, False),
+    # 384 (sequence, v-head) pairs, more than an H100/H200 has SMs: the split-state CTAs walk several pairs each
+    "many-pairs-varlen-h0": (1, _WALK_CU[-1], 4, 8, torch.bfloat16, _WALK_CU, True, False),
 }
 
 
@@ -73,6 +80,23 @@ def test_matches_fp64_oracle(name, path, monkeypatch):
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert rel_err(o, ref_o) <= TOL, rel_err(o, ref_o)
     assert rel_err(ht, ref_ht) <= TOL, rel_err(ht, ref_ht)
+
+
+def test_few_ctas_walk_many_pairs(monkeypatch):
+    """With the inverse on chip (over T~ each pair has its CTA) five split-state CTAs walk 384 (sequence, v-head)
+    pairs of uneven lengths, the input ring running on from one pair into the next and each next pair's h0
+    prefetched: the outputs and final states still meet the oracle."""
+    kernels = _kernels()
+    _force(monkeypatch, kernels, "onchip")
+    monkeypatch.setattr(kernels, "_sm_count", lambda *_: 5)
+    B, T, H, HV, dtype, cu, h0, l2 = CASES["many-pairs-varlen-h0"]
+    kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=5)
+    o, ht = kernels.chunk_gdr_fwd_hopper(*args)
+    ref_o, ref_ht = recurrent_gdr_reference(
+        kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale=128**-0.5, initial_state=kw["initial_state"],
+        output_final_state=True, cu_seqlens=kw["cu_seqlens"],
+    )
+    assert rel_err(o, ref_o) <= TOL and rel_err(ht, ref_ht) <= TOL, (rel_err(o, ref_o), rel_err(ht, ref_ht))
 
 
 CP_CASES = {
