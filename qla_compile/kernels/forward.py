@@ -364,14 +364,16 @@ def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _split_state(n_pairs, device, **params):
+def _split_state(n_pairs, device, walk=False, **params):
     """``split_state_recurrence.chunk_fwd_split(**params)`` for ``n_pairs`` (sequence or piece, v-head) pairs, called
-    as ``chunk_recurrence.chunk_fwd_ws``: its CTA count filled in after ``scale``. With the inverse on chip one CTA
-    per SM at most, each walking pairs (its next pair's first inverse and h0 go under the pair before: 1.03-1.07x at
-    512x64, H100); over T~ one per pair (walking was 0.94-0.98x there)."""
+    as ``chunk_recurrence.chunk_fwd_ws``: its CTA count filled in after ``scale``. With ``walk`` one CTA per SM at
+    most, each walking every n_cta-th pair (its next pair's first inverse and h0 go under the pair before: on chip
+    1.02-1.08x at 512x64, H100; over T~ walking was 0.94-0.98x there); else one CTA per pair, which the hardware
+    deals to the SMs longest first (dealt in turns, a few long pairs among many short ones would leave their CTAs
+    the most work)."""
     kernel = split_state_recurrence.chunk_fwd_split(**params)
     n_cta = n_pairs
-    if params.get("inverse"):
+    if walk:
         n_cta = min(n_pairs, _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
     return lambda *args: kernel(*args[:-2], n_cta, *args[-2:])
 
@@ -518,7 +520,9 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
     if onchip:
-        kernel = _split_state(n_seq * h_v, q.device, dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, inverse=True)
+        # pairs of equal length (dense q) walk; varlen ones, whose lengths the host does not know, get a CTA each
+        kernel = _split_state(n_seq * h_v, q.device, cu_seqlens is None, dk=dk, dv=dv, dtype=dtype, has_h0=has_h0,
+                              inverse=True)
         kernel(q3, k3, v3, *_token_gates(g, beta, n_tok, h_v), cu, order, cu[:1], h0, float(scale), o, ht)
     else:
         # launched as kkt_inverse's last CTAs run

@@ -54,7 +54,7 @@ CASES = {
     "varlen-gva2-fp16-h0": (1, 777, 2, 4, torch.float16, [0, 63, 64, 65, 777], True, False),
     "l2norm-in-kernel": (1, 200, 2, 2, torch.bfloat16, None, True, True),
     "many-heads-varlen-h0": (1, 900, 4, 32, torch.bfloat16, [0, 64, 300, 301, 900], True, False),
-    # 384 (sequence, v-head) pairs, more than an H100/H200 has SMs: the split-state CTAs walk several pairs each
+    # 384 (sequence, v-head) pairs of uneven lengths, more than an H100/H200 has SMs
     "many-pairs-varlen-h0": (1, _WALK_CU[-1], 4, 8, torch.bfloat16, _WALK_CU, True, False),
 }
 
@@ -83,20 +83,30 @@ def test_matches_fp64_oracle(name, path, monkeypatch):
 
 
 def test_few_ctas_walk_many_pairs(monkeypatch):
-    """With the inverse on chip (over T~ each pair has its CTA) five split-state CTAs walk 384 (sequence, v-head)
-    pairs of uneven lengths, the input ring running on from one pair into the next and each next pair's h0
-    prefetched: the outputs and final states still meet the oracle."""
+    """With the inverse on chip and a dense batch, five split-state CTAs walk its 384 (sequence, v-head) pairs, the
+    input ring running on from one pair into the next and each next pair's h0 prefetched: the outputs and final
+    states still meet the oracle. A varlen batch (lengths the host does not know) gets a CTA per pair."""
     kernels = _kernels()
     _force(monkeypatch, kernels, "onchip")
     monkeypatch.setattr(kernels, "_sm_count", lambda *_: 5)
-    B, T, H, HV, dtype, cu, h0, l2 = CASES["many-pairs-varlen-h0"]
-    kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=5)
-    o, ht = kernels.chunk_gdr_fwd_hopper(*args)
-    ref_o, ref_ht = recurrent_gdr_reference(
-        kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale=128**-0.5, initial_state=kw["initial_state"],
-        output_final_state=True, cu_seqlens=kw["cu_seqlens"],
-    )
-    assert rel_err(o, ref_o) <= TOL and rel_err(ht, ref_ht) <= TOL, (rel_err(o, ref_o), rel_err(ht, ref_ht))
+    split = kernels._split_state
+    ctas = []
+
+    def spy(n_pairs, device, walk=False, **params):
+        launch = split(n_pairs, device, walk, **params)
+        return lambda *args: (ctas.append((n_pairs, walk)), launch(*args))[1]
+
+    monkeypatch.setattr(kernels, "_split_state", spy)
+    for cu in (None, _WALK_CU):
+        B, T = (48, 150) if cu is None else (1, _WALK_CU[-1])
+        kw, args = _case(B, T, 4, 8, torch.bfloat16, cu, True, False, seed=5)
+        o, ht = kernels.chunk_gdr_fwd_hopper(*args)
+        ref_o, ref_ht = recurrent_gdr_reference(
+            kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale=128**-0.5, initial_state=kw["initial_state"],
+            output_final_state=True, cu_seqlens=kw.get("cu_seqlens"),
+        )
+        assert rel_err(o, ref_o) <= TOL and rel_err(ht, ref_ht) <= TOL, (cu, rel_err(o, ref_o), rel_err(ht, ref_ht))
+    assert ctas == [(384, True), (384, False)], ctas
 
 
 CP_CASES = {
