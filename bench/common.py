@@ -8,9 +8,11 @@ import torch.nn.functional as F
 
 
 def parse_seqs(spec: str) -> list[int]:
-    """'1x32768' -> [32768]; '8192x4' -> [8192]*4; '28672+4096' -> [28672, 4096]."""
+    """'1x32768' -> [32768]; '8192x4' -> [8192]*4; '28672+4096' -> [28672, 4096]; '8192+128x60' -> [8192] + [128]*60."""
     if "+" in spec:
-        return [int(s) for s in spec.split("+")]
+        return [n for part in spec.split("+") for n in parse_seqs(part)]
+    if "x" not in spec:
+        return [int(spec)]
     a, b = (int(s) for s in spec.split("x"))
     return [b] if a == 1 else [a] * b
 
