@@ -51,7 +51,7 @@ from .tile_inverse import TILE_STRIDE
 # setmaxnreg per warpgroup (aux, state 0, state 1, producer): sums to 512 = 65536 registers / 128.
 _NREG = (96, 192, 192, 32)
 LV_BIT = 1 << 30  # i & LV_BIT is 0 (fewer chunks), but not provably: masks stay inside the chunk loop
-_STAGES = 3  # the input ring's depth (the per-stage branches below are written out for three): the loads of chunk i
+_STAGES = 3  # the input ring's depth (``on_stage`` writes its branches out for three): the loads of chunk i
 # wait for chunk i - 3 to be consumed
 _AUX_BARRIER = 8  # the aux warpgroup's named barrier with ``inverse`` (TileLang's own are 0 and 3-5)
 # with ``inverse``: a producer warp's gate tables, [gamma; beta] of one chunk and v-head by a warp scan, and the
@@ -144,6 +144,17 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             """No timeline: nothing enters the kernel."""
     acc, half = "float32", "float16"
     DH = dk // 2  # a half of d: the stacked [K; Q] tiles are 64 columns wide
+
+    @T.macro
+    def on_stage(st, emit):
+        """``emit(s)`` for the ring stage s = ``st``, as one chain of exclusive branches (with ifs in sequence ptxas
+        sees a path through none of them and serializes the wgmmas): the per-stage buffers, written out for three."""
+        if st == 0:
+            emit(0)
+        elif st == 1:
+            emit(1)
+        else:
+            emit(2)
 
     @T.macro
     def load_pair(pv, order, cu_seqlens, cta, n_cta, w):
@@ -261,24 +272,14 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                     a_lo[a, d] = T.cast(s_lo[a, d], dtype)
                     a_hi[a, d] = T.cast(s_hi[a, d], dtype)
                 uo_products(a_lo, a_hi, kq, st * 2 * C, uo_f)
-                if st == 0:
-                    T.copy(vb[0], vt)
-                elif st == 1:
-                    T.copy(vb[1], vt)
-                else:
-                    T.copy(vb[2], vt)
+                on_stage(st, lambda s: T.copy(vb[s], vt))
                 decay = _exp(gb_s[st, 0, C - 1])
                 T.barrier_wait(ag_ready[st], ph)
                 mark(tr, hv, rank, 1, i, 2)
                 T.wait_wgmma(0)
                 for a, b in T.Parallel(dv, C):
                     w_h[a, b] = T.cast(T.cast(vt[b, a], acc) - cf_s[st, 0, b] * uo_f[a, b], half)
-                if st == 0:
-                    T.wgmma_gemm(w_h, ttb[0], vp_f, transpose_B=True, policy=ROWS, clear_accum=True)
-                elif st == 1:
-                    T.wgmma_gemm(w_h, ttb[1], vp_f, transpose_B=True, policy=ROWS, clear_accum=True)
-                else:
-                    T.wgmma_gemm(w_h, ttb[2], vp_f, transpose_B=True, policy=ROWS, clear_accum=True)
+                on_stage(st, lambda s: T.wgmma_gemm(w_h, ttb[s], vp_f, transpose_B=True, policy=ROWS, clear_accum=True))
                 for a, d in T.Parallel(dv, DH):
                     s_lo[a, d] = s_lo[a, d] * decay
                     s_hi[a, d] = s_hi[a, d] * decay
@@ -288,12 +289,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                     vr[a, b] = T.cast(vp_f[a, b] * cf_s[st, 2, b], dtype)
                 T.barrier_wait(p_ready[st], ph)
                 mark(tr, hv, rank, 1, i, 3)
-                if st == 0:
-                    T.wgmma_gemm(vp_h, pb[0], o2_f, transpose_B=True, policy=ROWS, clear_accum=True)
-                elif st == 1:
-                    T.wgmma_gemm(vp_h, pb[1], o2_f, transpose_B=True, policy=ROWS, clear_accum=True)
-                else:
-                    T.wgmma_gemm(vp_h, pb[2], o2_f, transpose_B=True, policy=ROWS, clear_accum=True)
+                on_stage(st, lambda s: T.wgmma_gemm(vp_h, pb[s], o2_f, transpose_B=True, policy=ROWS, clear_accum=True))
                 update(vr, kq, st * 2 * C, s_lo, s_hi)
                 T.wait_wgmma(2)  # P_g V' done (the two state products may still run)
                 for a, b in T.Parallel(dv, C):
@@ -410,24 +406,14 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                             invert_tile(t_s, scratch, tr, hv, rank, i)
                             gate_tile(t_s, a_h, e_h, gb_s, st, tr, hv, rank, i)
                             mark(tr, hv, rank, 0, i, 3)
-                            if st == 0:
-                                T.copy(a_h, ttb[0])
-                            elif st == 1:
-                                T.copy(a_h, ttb[1])
-                            else:
-                                T.copy(a_h, ttb[2])
+                            on_stage(st, lambda s: T.copy(a_h, ttb[s]))
                             T.fence_proxy_async()
                             T.barrier_arrive(ag_ready[st])
                             mark(tr, hv, rank, 0, i, 4)
                             qk_product(kq, st * 2 * C, p_f)
                         else:
                             column_tables(cf_s, gb_s, st, T.min(seqlen - i * C, C), scale)
-                            if st == 0:
-                                gate_inverse(ttb[0], a_h, gb_s, st)
-                            elif st == 1:
-                                gate_inverse(ttb[1], a_h, gb_s, st)
-                            else:
-                                gate_inverse(ttb[2], a_h, gb_s, st)
+                            on_stage(st, lambda s: gate_inverse(ttb[s], a_h, gb_s, st))
                             T.fence_proxy_async()
                             T.barrier_arrive(ag_ready[st])
                             # Q K^T only now: a wgmma issued earlier waits behind the state warpgroups' in the tensor
@@ -437,21 +423,11 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                         if inverse:  # P_g in fp16 (as the tile it goes to), into A_g's fragment
                             for a, b in T.Parallel(C, C):
                                 a_h[a, b] = T.cast(p_f[a, b] * scale, half) * e_h[a, b]
-                            if st == 0:
-                                T.copy(a_h, pb[0])
-                            elif st == 1:
-                                T.copy(a_h, pb[1])
-                            else:
-                                T.copy(a_h, pb[2])
+                            on_stage(st, lambda s: T.copy(a_h, pb[s]))
                         else:
                             for a, b in T.Parallel(C, C):
                                 p_f[a, b] = p_f[a, b] * _gamma_times(gb_s, st, a, b, row_log2=log2_scale)
-                            if st == 0:
-                                T.copy(p_f, pb[0])
-                            elif st == 1:
-                                T.copy(p_f, pb[1])
-                            else:
-                                T.copy(p_f, pb[2])
+                            on_stage(st, lambda s: T.copy(p_f, pb[s]))
                         T.fence_proxy_async()
                         T.barrier_arrive(p_ready[st])
                         T.barrier_arrive(empty[st])
@@ -483,12 +459,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                             T.barrier_arrive(full[st])
                         elif tx < 448:
                             T.barrier_wait(empty[st], ((ring + i) // _STAGES + 1) % 2)
-                            if st == 0:
-                                T.tma_copy(v[start : start + C, hv, :], vb[0], barrier=full[st])
-                            elif st == 1:
-                                T.tma_copy(v[start : start + C, hv, :], vb[1], barrier=full[st])
-                            else:
-                                T.tma_copy(v[start : start + C, hv, :], vb[2], barrier=full[st])
+                            on_stage(st, lambda s: T.tma_copy(v[start : start + C, hv, :], vb[s], barrier=full[st]))
                             T.barrier_arrive(full[st])
                             if has_h0:  # the next pair's h0 into L2 with its last chunk's V: its load then waits less
                                 if (i == T.ceildiv(seqlen, C) - 1) & (w + 1 < n_pairs):
@@ -503,12 +474,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                                               T.address_of(beta[start, hv]), h_v, T.min(seqlen - i * C, C), scale,
                                               T.address_of(gb_s[st, 0, 0]), T.address_of(cf_s[st, 0, 0]), tx % 32)
                             else:
-                                if st == 0:
-                                    T.tma_copy(tt[coff + i, hv, :, :], ttb[0], barrier=full[st])
-                                elif st == 1:
-                                    T.tma_copy(tt[coff + i, hv, :, :], ttb[1], barrier=full[st])
-                                else:
-                                    T.tma_copy(tt[coff + i, hv, :, :], ttb[2], barrier=full[st])
+                                on_stage(st, lambda s: T.tma_copy(tt[coff + i, hv, :, :], ttb[s], barrier=full[st]))
                                 T.tma_copy(gb[coff + i, hv, :, :], gb_s[st, :, :], barrier=full[st])
                             T.barrier_arrive(full[st])
                     ring = ring + T.ceildiv(seqlen, C)
