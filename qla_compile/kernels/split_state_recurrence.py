@@ -1,7 +1,8 @@
 """The GDN forward chunk recurrence on SM90 with the state in registers, split over two warpgroups (chunk C = 64).
 
-One CTA per SM at most, 512 threads, walking (sequence, v-head) pairs over all of V = 128 (``load_pair``), each
-pair's chunks in turn, the input ring running on from one pair into the next; T~ and the gate cumsum come from
+``n_cta`` CTAs of 512 threads, CTA c walking (sequence, v-head) pairs c, c + n_cta, ... over all of V = 128
+(``load_pair``), each pair's chunks in turn, the input ring running on from one pair into the next (n_cta is the
+number of pairs, one each, unless ``forward._split_state`` walks); T~ and the gate cumsum come from
 ``kkt_inverse`` (notation and chunk numbering there). State warpgroup w holds its half of
 the state transposed, S^T[v, :] for v in [64 w, 64 w + 64) (fp32 registers, as two 64-column halves of d), and
 uses it as the register A operand of its wgmmas, so S never goes through shared memory. Per chunk, with tokens b
@@ -347,9 +348,8 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
 
     @T.macro
     def body(q, k, v, tt, gb, g, beta, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, n_cta, o, ht, tr):
-        # n_cta CTAs (one per SM at most), each walking (sequence, v-head) pairs n_cta apart in the launch order
-        # (``pair``): every v-head of a sequence together, and one pair's first loads and inverse under the last
-        # chunks of the one before
+        # n_cta CTAs, each walking (sequence, v-head) pairs n_cta apart in the launch order (``load_pair``): every
+        # v-head of a sequence together, and one pair's first loads and inverse under the last chunks of the one before
         with T.Kernel(n_cta, threads=512) as cta:
             T.import_source(_PTX + (TILE_INVERSE_CUDA + _GATE_SCAN if inverse else "") + (_PREFETCH if has_h0 else "")
                             + (_CLOCK if trace else ""))
