@@ -361,6 +361,7 @@ def _block_dv(n_ctas, dv):
 
 @functools.cache
 def _sm_count(device_index):
+    """The SM count of CUDA device ``device_index``."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
