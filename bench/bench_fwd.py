@@ -192,18 +192,22 @@ def fi07_worker(path, cp_mode):
     def handle(req):
         x = make_inputs(req["hk"], req["hv"], parse_seqs(req["seqs"]))
         reply = {"fingerprint": input_fingerprint(x), "ms": {}, "cp": state["cp_rule"](x)}
-        for name in ("qla", FI07):
+        # timed in turns, qla, FlashInfer 0.7, qla, FlashInfer 0.7, each the lower of its two medians: the clocks a
+        # heavy row leaves the GPU at (power capping) then weigh on both alike
+        for name in ("qla", FI07) * 2:
             fn = state["fi"] if name == FI07 else state.get(name)
-            if fn is None:
+            if fn is None or name in reply.get("errors", {}):
                 continue
             t = time.time()
             try:
-                o, ht = fn(x)
-                torch.cuda.synchronize()
-                if name == FI07:  # the first call compiles FlashInfer's kernels for a new variant
+                if name not in reply["ms"]:
+                    o, ht = fn(x)
+                    torch.cuda.synchronize()
+                if name == FI07 and name not in reply["ms"]:  # the first call compiles FlashInfer's kernels
                     reply["first_call_s"] = round(time.time() - t, 2)
                     torch.save({"o": o.cpu(), "ht": ht.cpu()}, req["out_path"])
-                reply["ms"][name] = round(time_graph(lambda: fn(x), reps=10), 4)
+                ms = round(time_graph(lambda: fn(x), reps=10), 4)
+                reply["ms"][name] = min(ms, reply["ms"].get(name, ms))
             except Exception as err:  # noqa: BLE001 - reported; the parent goes on
                 reply.setdefault("errors", {})[name] = f"{type(err).__name__}: {err}"
         return reply
