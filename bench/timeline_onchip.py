@@ -83,15 +83,17 @@ def main():
     scale = float(x["scale"])
     n_pairs = len(lens) * hv
     recurrence = F._split_state(n_pairs, q3.device, **{**PARAMS, "inverse": False})
-    onchip = F._split_state(n_pairs, q3.device, **PARAMS)
+    onchip = F._split_state(n_pairs, q3.device, True, **PARAMS)
     traced = F.split_state_recurrence.chunk_fwd_split(**PARAMS, trace=True)
+    n_cta = min(n_pairs, F._sm_count(torch.cuda.current_device()))  # as ``onchip``: walking, tickets from 0
+    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
     ms = {"kkt_inverse": time_graph(lambda: F._gate_inverse(k3, x["g"], x["beta"], spans, (tt, gb, bad), "bfloat16")),
           "recurrence reading T~": time_graph(lambda: recurrence(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1],
                                                                  x["h0"], scale, o, ht)),
           "recurrence, inverse on chip": time_graph(lambda: onchip(q3, k3, v3, g, b, cu, order, cu[:1], x["h0"],
                                                                    scale, o, ht))}
     tr = torch.zeros(CR.TRACE_CTAS, 4, CR.TRACE_CHUNKS, CR.TRACE_EVENTS, dtype=torch.int64, device="cuda")
-    traced(q3, k3, v3, g, b, cu, order, cu[:1], x["h0"], scale, n_pairs, o, ht, tr)  # a CTA per pair, as onchip
+    traced(q3, k3, v3, g, b, cu, order, cu[:1], x["h0"], scale, n_cta, ticket, o, ht, tr)
     torch.cuda.synchronize()
     lines = [f"# Timeline of the recurrence with the inverse on chip, {a.row}\n", f"Versions: {versions()}\n",
              "Launches alone (CUDA-graph medians, us): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ms.items())

@@ -128,6 +128,42 @@ def test_context_parallel_argument_is_checked(bad):
         _check_context_parallel(good)
 
 
+@pytest.mark.parametrize("lens,walk", [
+    ([512] * 64, True),  # uniform batches walk (1.01-1.08x on chip, H100)
+    ([8192] * 4, True),
+    ([3000, 600, 512], True),
+    ([8192] + [128] * 60, False),  # mostly one- and two-chunk sequences: a CTA per pair
+    ([4096] + [64] * 400, False),
+    ([1024, 0, 1024], False),
+    ([511] * 8, False),
+    (None, False),  # lengths not known on the host: no sync to learn them
+])
+def test_on_chip_launch_walks_where_no_sequence_is_short(lens, walk):
+    from qla_compile.kernels.forward import _walks
+
+    assert _walks(lens) is walk
+
+
+def test_host_lengths_cached_per_tensor_and_version(monkeypatch):
+    """Lengths are read once per cu_seqlens tensor and again after an in-place change; an inference tensor (no
+    version counter) is read on every call."""
+    from qla_compile.kernels import forward
+
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real(t))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    assert forward._host_lengths(cu, 1, 12) == [5, 7] and forward._host_lengths(cu, 1, 12) == [5, 7]
+    assert len(reads) == 1
+    cu[2] = 20
+    assert forward._host_lengths(cu, 1, 20) == [5, 15] and len(reads) == 2
+    assert forward._host_lengths(cu.clone(), 1, 20, read=False) is None
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 3, 9], dtype=torch.int32)
+        assert forward._host_lengths(frozen, 1, 9) == [3, 6] and forward._host_lengths(frozen, 1, 9) == [3, 6]
+    assert len(reads) == 4 and forward._host_lengths(frozen, 1, 9, read=False) is None
+
+
 def test_walk_starts_list_schedule():
     from qla_compile.kernels.backward import _walk_starts
 

@@ -38,7 +38,9 @@ Known gaps: a log gate of -inf gives NaN (clamp g >= -88 before the call); the q
 torch ops before the kernels.
 """
 
+import contextlib
 import functools
+import logging
 import weakref
 from typing import NamedTuple
 
@@ -56,6 +58,8 @@ kkt_inverse = Kernels("kkt_inverse")
 seq_tables = Kernels("seq_tables")
 split_state_recurrence = Kernels("split_state_recurrence")
 
+log = logging.getLogger(__name__)
+
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _HEAD_DIMS = (128,)
 # Below this many (sequence, v-head) pairs the V dimension is split in two to fill the 132 SMs.
@@ -66,6 +70,7 @@ _FULL_DV_MIN_CTAS = 88
 _CP_MAX_EXTRA_PIECE_HEADS = 512
 # (sequence, v-head) pairs from which a forward alone forms its inverse on chip (``_onchip_inverse``)
 _ONCHIP_MIN_CTAS = 128
+_WALK_MIN_TOKENS = 512  # ``_walks``
 
 
 @functools.cache
@@ -98,23 +103,85 @@ def hopper_supported(q, k, v, *args, **kwargs) -> bool:
     return unsupported(q, k, v) is None
 
 
+# Host-side facts cached per live cu_seqlens tensor (checked by identity, version counter and a key), so that a
+# captured call can reuse them and a model's other GDN layers skip their work: sequence lengths (the
+# context-parallel plan's), the device tables of ``_tables``; and piece tables per plan.
+_LENGTHS: dict = {}
+_SEQ_TABLES: dict = {}
+_PIECE_TABLES: dict = {}
+_CACHE_SIZE = 64
+
+
+def _recall(cache, t, key=None):
+    """What ``cache`` holds for tensor ``t`` (by identity, version counter and ``key``), else None."""
+    hit = cache.get(id(t))
+    if hit is None or hit[0]() is not t or t.is_inference() or hit[1] != (t._version, key):
+        return None
+    return hit[2]
+
+
+def _remember(cache, t, value, key=None):
+    """``value``, kept in ``cache`` for tensor ``t`` (:func:`_recall`) unless ``t`` is an inference tensor, which
+    keeps no version counter to tell an in-place change by."""
+    if not t.is_inference():
+        if len(cache) >= _CACHE_SIZE:
+            cache.clear()
+        cache[id(t)] = (weakref.ref(t), (t._version, key), value)
+    return value
+
+
+@functools.cache
+def _say_lengths_read_per_call():
+    log.warning("qla_compile: cu_seqlens was made under torch.inference_mode, so it keeps no version counter and its "
+                "sequence lengths are read on every call (one synchronisation each) instead of once per tensor; "
+                "make it under torch.no_grad() to have them read once")
+
+
+def _host_lengths(cu_seqlens, batch, seqlen, read=True):
+    """Sequence lengths as a Python list, or None when reading them would break CUDA-graph capture
+    (a ``cu_seqlens`` seen before outside capture is answered from the cache) or, with ``read=False``,
+    would synchronise at all."""
+    if cu_seqlens is None:
+        return [seqlen] * batch
+    lens = _recall(_LENGTHS, cu_seqlens)
+    if lens is not None:
+        return lens
+    if not read or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    if cu_seqlens.is_cuda and cu_seqlens.is_inference():
+        _say_lengths_read_per_call()
+    bounds = cu_seqlens.tolist()
+    return _remember(_LENGTHS, cu_seqlens, [b - a for a, b in zip(bounds, bounds[1:])])
+
+
 def _tables(cu_seqlens, batch, seqlen, device):
     """int32 cu_seqlens, chunk_offsets (exclusive cumsum of ceil(len / 64)), the recurrent kernels' launch order
     (longest sequence first) and the chunk slots' spans ``[_n_slots, 2]`` (first token, tokens; ``seq_tables``),
-    built on the device."""
+    built on the device once per ``cu_seqlens`` tensor outside CUDA-graph capture (a model's GDN layers share one:
+    a launch fewer a layer after the first), every time inside it (a graph must own its tables: the cache drops
+    entries)."""
     if cu_seqlens is None:
         return _dense_tables(batch, seqlen, device)
+    key = (str(device), batch * seqlen)
+    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+    tables = None if capturing else _recall(_SEQ_TABLES, cu_seqlens, key)
+    if tables is not None:
+        return tables
     cu_in = cu_seqlens.to(device)
     if cu_in.dtype not in (torch.int32, torch.int64):
         cu_in = cu_in.to(torch.int32)
     n = cu_in.numel()
     n_slots = _n_slots(batch * seqlen, n - 1)
-    tables = torch.empty(2 * n_slots + 3 * n - 1, device=device, dtype=torch.int32)
+    # kept for the later calls with this cu_seqlens (a model's other GDN layers): from a pool of their own
+    with contextlib.nullcontext() if capturing else _lasting_pool(device):
+        tables = torch.empty(2 * n_slots + 3 * n - 1, device=device, dtype=torch.int32)
     spans, cu, offsets, order = tables.split([2 * n_slots, n, n, n - 1])  # spans first: 8-byte aligned rows
     spans = spans.view(n_slots, 2)
     seq_tables.seq_tables(cu_dtype=str(cu_in.dtype).removeprefix("torch."))(cu_in.contiguous(), cu, offsets, spans,
                                                                           order)
-    return cu, offsets, order, spans
+    if capturing:
+        return cu, offsets, order, spans
+    return _remember(_SEQ_TABLES, cu_seqlens, (cu, offsets, order, spans), key)
 
 
 _DENSE_TABLES: dict = {}
@@ -169,32 +236,6 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens):
         )
 
 
-# Host-side facts the context-parallel plan needs, cached so that a captured call can reuse them:
-# sequence lengths per live cu_seqlens tensor (checked by identity and version), piece tables per plan.
-_LENGTHS: dict = {}
-_PIECE_TABLES: dict = {}
-_CACHE_SIZE = 64
-
-
-def _host_lengths(cu_seqlens, batch, seqlen, read=True):
-    """Sequence lengths as a Python list, or None when reading them would break CUDA-graph capture
-    (a ``cu_seqlens`` seen before outside capture is answered from the cache) or, with ``read=False``,
-    would synchronise at all."""
-    if cu_seqlens is None:
-        return [seqlen] * batch
-    hit = _LENGTHS.get(id(cu_seqlens))
-    if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
-        return hit[2]
-    if not read or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return None
-    bounds = cu_seqlens.tolist()
-    lens = [b - a for a, b in zip(bounds, bounds[1:])]
-    if len(_LENGTHS) >= _CACHE_SIZE:
-        _LENGTHS.clear()
-    _LENGTHS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, lens)
-    return lens
-
-
 class _Pieces(NamedTuple):
     """Device int32 tables of a context-parallel plan (``chunking.pieces``), views of one tensor, and its piece
     length."""
@@ -214,16 +255,21 @@ class _Pieces(NamedTuple):
 _TABLE_POOLS: dict = {}
 
 
-def lasting_copy(host, device):
-    """``host`` (a CPU tensor) copied to ``device`` for a cache that outlives the call, from a memory pool of its
-    own: a CUDA-graph tree's warm-up run (``torch.compile(mode="reduce-overhead")``) allocates from its private
+def _lasting_pool(device):
+    """A context in which ``device``'s allocations come from a memory pool of its own, for caches that outlive the
+    call: a CUDA-graph tree's warm-up run (``torch.compile(mode="reduce-overhead")``) allocates from its private
     pool and must find only its outputs alive there afterwards."""
     if torch.device(device).type != "cuda":
-        return host.to(device)
+        return contextlib.nullcontext()
     key = str(device)
     if key not in _TABLE_POOLS:
         _TABLE_POOLS[key] = torch.cuda.MemPool()
-    with torch.cuda.use_mem_pool(_TABLE_POOLS[key], device):
+    return torch.cuda.use_mem_pool(_TABLE_POOLS[key], device)
+
+
+def lasting_copy(host, device):
+    """``host`` (a CPU tensor) copied to ``device`` for a cache that outlives the call (:func:`_lasting_pool`)."""
+    with _lasting_pool(device):
         return host.to(device)
 
 
@@ -365,18 +411,33 @@ def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _walks(lens):
+    """Whether the on-chip split-state launch walks (at most one CTA per SM, each taking pairs from its queue) rather
+    than giving every (sequence, v-head) pair a CTA: where the host knows the sequence lengths (``lens``, None when
+    not) and none is shorter than ``_WALK_MIN_TOKENS``. H100 (``bench/results/2026-12-06-fwd-onchip-candidates.md``,
+    session 22): walking 1.04-1.08x on batches of 512 and 4096 tokens a sequence, but 0.97-0.98x where most chunks
+    belong to sequences of one or two chunks (one long prompt among many short ones), whose pairs cost more taken
+    from the queue than launched as CTAs of their own."""
+    return lens is not None and min(lens, default=0) >= _WALK_MIN_TOKENS
+
+
 def _split_state(n_pairs, device, walk=False, **params):
     """``split_state_recurrence.chunk_fwd_split(**params)`` for ``n_pairs`` (sequence or piece, v-head) pairs, called
-    as ``chunk_recurrence.chunk_fwd_ws``: its CTA count filled in after ``scale``. With ``walk`` one CTA per SM at
-    most, each walking every n_cta-th pair (its next pair's first inverse and h0 go under the pair before: on chip
-    1.02-1.08x at 512x64, H100; over T~ walking was 0.94-0.98x there); else one CTA per pair, which the hardware
-    deals to the SMs longest first (dealt in turns, a few long pairs among many short ones would leave their CTAs
-    the most work)."""
+    as ``chunk_recurrence.chunk_fwd_ws``: its CTA count and ticket counter filled in after ``scale``. With ``walk``
+    one CTA per SM at most, each walking the pairs its queue deals it, longest first (its next pair's first inverse
+    and h0 go under the pair before: on chip 1.02-1.08x at 512x64, H100; over T~ walking was 0.94-0.98x there), the
+    counter zeroed per call; else one CTA per pair."""
     kernel = split_state_recurrence.chunk_fwd_split(**params)
     n_cta = n_pairs
     if walk:
         n_cta = min(n_pairs, _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
-    return lambda *args: kernel(*args[:-2], n_cta, *args[-2:])
+
+    def launch(*args):
+        # zeroed where the CTAs deal tickets; a launch with a CTA per pair never reads it
+        ticket = (torch.zeros if n_cta < n_pairs else torch.empty)(1, device=device, dtype=torch.int32)
+        return kernel(*args[:-2], n_cta, ticket, *args[-2:])
+
+    return launch
 
 
 def _state_kernel(dk, dv, dtype, has_h0, n_ctas, device, pdl=False):
@@ -521,9 +582,8 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
     if onchip:
-        # pairs of equal length (dense q) walk; varlen ones, whose lengths the host does not know, get a CTA each
-        kernel = _split_state(n_seq * h_v, q.device, cu_seqlens is None, dk=dk, dv=dv, dtype=dtype, has_h0=has_h0,
-                              inverse=True)
+        walk = _walks(_host_lengths(cu_seqlens, B, T, read=False))
+        kernel = _split_state(n_seq * h_v, q.device, walk, dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, inverse=True)
         kernel(q3, k3, v3, *_token_gates(g, beta, n_tok, h_v), cu, order, cu[:1], h0, float(scale), o, ht)
     else:
         # launched as kkt_inverse's last CTAs run

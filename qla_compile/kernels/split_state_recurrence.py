@@ -1,12 +1,12 @@
 """The GDN forward chunk recurrence on SM90 with the state in registers, split over two warpgroups (chunk C = 64).
 
-``n_cta`` CTAs of 512 threads, CTA c walking (sequence, v-head) pairs c, c + n_cta, ... over all of V = 128
-(``load_pair``), each pair's chunks in turn, the input ring running on from one pair into the next (n_cta is the
-number of pairs, one each, unless ``forward._split_state`` walks); T~ and the gate cumsum come from
-``kkt_inverse`` (notation and chunk numbering there). State warpgroup w holds its half of
-the state transposed, S^T[v, :] for v in [64 w, 64 w + 64) (fp32 registers, as two 64-column halves of d), and
-uses it as the register A operand of its wgmmas, so S never goes through shared memory. Per chunk, with tokens b
-as columns:
+``n_cta`` CTAs of 512 threads walking (sequence, v-head) pairs over all of V = 128, each pair's chunks in turn, the
+input ring running on from one pair into the next: a CTA's first pair is its own, the next ones tickets from the
+launch's counter while n_cta is below the pair count (``_PAIRS``: longest first, as the hardware deals one CTA per
+pair; ``forward._split_state`` picks n_cta); T~ and the gate cumsum come from ``kkt_inverse`` (notation and chunk
+numbering there). State warpgroup w holds its half of the state transposed, S^T[v, :] for v in [64 w, 64 w + 64)
+(fp32 registers, as two 64-column halves of d), and uses it as the register A operand of its wgmmas, so S never goes
+through shared memory. Per chunk, with tokens b as columns:
 
     [U^T | O^T] = S^T [K; Q]^T              (one m64n128 chain: K and Q stacked, per half of d, in one tile)
     W'^T = V^T - e_b U^T,  V'^T = W'^T A_g^T
@@ -94,6 +94,55 @@ __device__ __forceinline__ void qla_prefetch_l2(const void* p, int bytes, int la
 """
 
 
+# The CTA's queue of (sequence, v-head) pairs (launch ranks): the K/Q warp deals them (its first pair ``first``, then
+# n_cta + tickets from the launch's counter while n_cta < the pairs, ``total`` ending the walk), one pair ahead, into
+# eight slots with mbarriers of their own (static shared memory: outside TileLang's view, so no syncs are inserted);
+# the other 480 threads (the producer's other three warps, aux, state warpgroups) read them in turn. The V warp also
+# peeks at the next slot for its h0 prefetch (``leave`` 0: the slot stays held).
+_PAIRS = r"""
+struct QlaPairs { unsigned long long full[8], empty[8]; int pair[8]; };
+__device__ __forceinline__ QlaPairs& qla_pairs() { __shared__ QlaPairs q; return q; }
+__device__ __forceinline__ unsigned qla_smem(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void qla_mbar_wait(unsigned long long* bar, int parity) {
+  asm volatile("{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}"
+               :: "r"(qla_smem(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void qla_mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(qla_smem(bar)) : "memory");
+}
+__device__ __forceinline__ void qla_pairs_init(int tx) {
+  QlaPairs& q = qla_pairs();
+  if (tx == 0)
+    for (int s = 0; s < 8; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(qla_smem(&q.full[s])), "r"(1));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(qla_smem(&q.empty[s])), "r"(480));
+    }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncthreads();
+}
+__device__ __forceinline__ int qla_pairs_deal(int w, int first, int n_cta, int total, int* ticket, int lane) {
+  QlaPairs& q = qla_pairs();
+  qla_mbar_wait(&q.empty[w & 7], ((w >> 3) & 1) ^ 1);
+  int p = 0;
+  if (lane == 0) {
+    p = w == 0 ? first : (n_cta < total ? min(n_cta + atomicAdd(ticket, 1), total) : total);
+    q.pair[w & 7] = p;
+    qla_mbar_arrive(&q.full[w & 7]);
+  }
+  return __shfl_sync(0xffffffffu, p, 0);
+}
+__device__ __forceinline__ int qla_pairs_read(int w, int leave) {
+  QlaPairs& q = qla_pairs();
+  qla_mbar_wait(&q.full[w & 7], (w >> 3) & 1);
+  int p = *reinterpret_cast<volatile int*>(&q.pair[w & 7]);
+  if (leave) qla_mbar_arrive(&q.empty[w & 7]);
+  return p;
+}
+"""
+
+
 def _acc(rows, cols, transposed=False):
     """The wgmma accumulator layout for ``[rows, cols]`` (the one TileLang infers): one warpgroup's for 64 rows, two
     warpgroups' (rows 64 w.., ``GemmWarpPolicy.FullRow``) for 128; or, with ``transposed``, the same threads and
@@ -158,14 +207,38 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             emit(2)
 
     @T.macro
-    def load_pair(pv, order, cu_seqlens, cta, n_cta, w):
-        """``pv`` = (v-head, launch rank, sequence, first token, length) of the CTA's w-th (sequence, v-head) pair:
-        pair cta + w n_cta of the launch order (``order``'s sequences, each with its v-heads in turn)."""
-        pv[0] = T.truncmod(cta + w * n_cta, h_v)
-        pv[1] = T.truncdiv(cta + w * n_cta, h_v)
+    def load_pair(pv, order, cu_seqlens, p):
+        """``pv`` = (v-head, launch rank, sequence, first token, length) of pair ``p`` of the launch order
+        (``order``'s sequences, each with its v-heads in turn)."""
+        pv[0] = T.truncmod(p, h_v)
+        pv[1] = T.truncdiv(p, h_v)
         pv[2] = order[pv[1]]
         pv[3] = cu_seqlens[pv[2]]
         pv[4] = cu_seqlens[pv[2] + 1] - pv[3]
+
+    @T.macro
+    def producer_pair(pi, w, cta, n_cta, total, ticket):
+        """``pi[0]``: the producer warp's w-th pair from the queue (``_PAIRS``); the K/Q warp deals the next one
+        into ``pi[1]`` first."""
+        tx = T.get_thread_binding()
+        if tx < 416:
+            pi[0] = pi[1]
+            if pi[0] < total:
+                pi[1] = T.call_extern("int32", "qla_pairs_deal", w + 1, cta, n_cta, total, T.address_of(ticket[0]),
+                                      tx % 32)
+        else:
+            pi[0] = T.call_extern("int32", "qla_pairs_read", w, 1)
+
+    @T.macro
+    def prefetch_next_h0(h0, order, pi, w, total, last):
+        """With the ``last`` chunk of the w-th pair: the (w + 1)-th pair's h0 into L2 (``qla_prefetch_l2``), its
+        launch rank peeked at in the queue into ``pi[1]``."""
+        if last:
+            pi[1] = T.call_extern("int32", "qla_pairs_read", w + 1, 0)
+            if pi[1] < total:
+                T.call_extern("handle", "qla_prefetch_l2",
+                              T.address_of(h0[order[T.truncdiv(pi[1], h_v)], T.truncmod(pi[1], h_v), 0, 0]),
+                              dk * dv * 4, T.get_thread_binding() % 32)
 
     @T.macro
     def uo_products(a_lo, a_hi, kq, r, uo_f):
@@ -228,7 +301,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
 
     @T.macro
     def state(kq, vb, ttb, gb_s, cf_s, pb, ob, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows, order,
-              cu_seqlens, cta, n_cta, n_pairs, tr):
+              cu_seqlens, total, tr):
         """The two state warpgroups as one 256-thread consumer, one copy of the code: warpgroup w holds rows v in
         [64 w, 64 w + 64) of S^T and O^T (``ROWS``). ``vb``: the V tile of each stage, ``ob``: the O tile (whole
         2-D buffers: TileLang lowers copies of those to ldmatrix/stmatrix)."""
@@ -249,9 +322,13 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
         decay = T.alloc_var(acc)
         ring = T.alloc_var("int32", init=0)  # chunks walked before this pair's: the ring's stage and phase
         pv = T.alloc_local((5,), "int32")  # the pair (``load_pair``)
+        pi = T.alloc_local((1,), "int32")  # its launch rank, from the queue
         T.pdl_sync()
-        for w in T.serial(n_pairs):
-            load_pair(pv, order, cu_seqlens, cta, n_cta, w)
+        for w in T.serial(total):
+            pi[0] = T.call_extern("int32", "qla_pairs_read", w, 1)
+            if pi[0] >= total:
+                T.loop_break()
+            load_pair(pv, order, cu_seqlens, pi[0])
             hv, rank, seq, bos, seqlen = pv[0], pv[1], pv[2], pv[3], pv[4]
             n_iter = T.ceildiv(seqlen, C)
             if has_h0:
@@ -347,12 +424,14 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
         mark(tr, hv, rank, 2, i, 6)
 
     @T.macro
-    def body(q, k, v, tt, gb, g, beta, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, n_cta, o, ht, tr):
-        # n_cta CTAs, each walking (sequence, v-head) pairs n_cta apart in the launch order (``load_pair``): every
-        # v-head of a sequence together, and one pair's first loads and inverse under the last chunks of the one before
+    def body(q, k, v, tt, gb, g, beta, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, n_cta, ticket, o, ht,
+             tr):
+        # n_cta CTAs (one per SM at most where they walk), each taking (sequence, v-head) pairs of the launch order as
+        # its queue deals them (``_PAIRS``): CTAs running at once take neighbouring pairs (every v-head of a sequence
+        # together), and one pair's first loads and inverse go under the last chunks of the one before
         with T.Kernel(n_cta, threads=512) as cta:
-            T.import_source(_PTX + (TILE_INVERSE_CUDA + _GATE_SCAN if inverse else "") + (_PREFETCH if has_h0 else "")
-                            + (_CLOCK if trace else ""))
+            T.import_source(_PTX + _PAIRS + (TILE_INVERSE_CUDA + _GATE_SCAN if inverse else "")
+                            + (_PREFETCH if has_h0 else "") + (_CLOCK if trace else ""))
             # three-stage input ring, filled by TMA (and with ``inverse`` the tables' warp)
             # [half of d]: per stage, K in rows [2 C st, 2 C st + C) and Q in the next C (wgmma operands and TMA
             # destinations at a row offset, so the products are issued from one copy of the code for all stages)
@@ -371,8 +450,9 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             ag_ready = T.alloc_barrier([128] * _STAGES)  # the column tables and A_g of the stage
             p_ready = T.alloc_barrier([128] * _STAGES)  # P_g of the stage
 
-            n_pairs = T.truncdiv((n_seq1 - 1) * h_v - cta + n_cta - 1, n_cta)  # this CTA's
+            total = (n_seq1 - 1) * h_v  # pairs in the launch
             tx = T.get_thread_binding()
+            T.call_extern("handle", "qla_pairs_init", tx)
 
             if tx < 128:  # WG0: the aux warpgroup
                 T.set_max_nreg(_NREG[0], 0)
@@ -388,8 +468,12 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                     log2_scale = _lg2(scale)
                 ring = T.alloc_var("int32", init=0)  # chunks walked before this pair's (as ``state``)
                 pv = T.alloc_local((5,), "int32")
-                for w in T.serial(n_pairs):
-                    load_pair(pv, order, cu_seqlens, cta, n_cta, w)
+                pi = T.alloc_local((1,), "int32")
+                for w in T.serial(total):
+                    pi[0] = T.call_extern("int32", "qla_pairs_read", w, 1)
+                    if pi[0] >= total:
+                        T.loop_break()
+                    load_pair(pv, order, cu_seqlens, pi[0])
                     hv, rank, seq, bos, seqlen = pv[0], pv[1], pv[2], pv[3], pv[4]
                     for i in T.serial(T.ceildiv(seqlen, C)):
                         st = (ring + i) % _STAGES
@@ -435,15 +519,22 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                     ring = ring + T.ceildiv(seqlen, C)
             elif tx < 384:
                 state(kq, vb, ttb, gb_s, cf_s, pb, ob, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows, order,
-                      cu_seqlens, cta, n_cta, n_pairs, tr)
-            else:  # WG3: producer warps
+                      cu_seqlens, total, tr)
+            else:  # WG3: producer warps (the fourth only reads the queue)
                 T.set_max_nreg(_NREG[3], 0)
                 if (tx >= 448) & (tx < 480):  # the tables' warp (q, k, v may load before the previous kernel ends)
                     T.pdl_sync()
                 ring = T.alloc_var("int32", init=0)
                 pv = T.alloc_local((5,), "int32")
-                for w in T.serial(n_pairs):
-                    load_pair(pv, order, cu_seqlens, cta, n_cta, w)
+                pi = T.alloc_local((2,), "int32")  # this pair's launch rank and (the K/Q warp's) the next one's
+                if tx < 416:  # the K/Q warp deals the pairs, one ahead
+                    pi[1] = T.call_extern("int32", "qla_pairs_deal", 0, cta, n_cta, total, T.address_of(ticket[0]),
+                                          tx % 32)
+                for w in T.serial(total):
+                    producer_pair(pi, w, cta, n_cta, total, ticket)
+                    if pi[0] >= total:
+                        T.loop_break()
+                    load_pair(pv, order, cu_seqlens, pi[0])
                     hv, rank, seq, bos, seqlen = pv[0], pv[1], pv[2], pv[3], pv[4]
                     hk = T.truncdiv(hv, T.truncdiv(h_v, h_qk))
                     if not inverse:
@@ -462,11 +553,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                             on_stage(st, lambda s: T.tma_copy(v[start : start + C, hv, :], vb[s], barrier=full[st]))
                             T.barrier_arrive(full[st])
                             if has_h0:  # the next pair's h0 into L2 with its last chunk's V: its load then waits less
-                                if (i == T.ceildiv(seqlen, C) - 1) & (w + 1 < n_pairs):
-                                    T.call_extern("handle", "qla_prefetch_l2",
-                                                  T.address_of(h0[order[T.truncdiv(cta + (w + 1) * n_cta, h_v)],
-                                                                  T.truncmod(cta + (w + 1) * n_cta, h_v), 0, 0]),
-                                                  dk * dv * 4, tx % 32)
+                                prefetch_next_h0(h0, order, pi, w, total, i == T.ceildiv(seqlen, C) - 1)
                         elif tx < 480:
                             T.barrier_wait(empty[st], ((ring + i) // _STAGES + 1) % 2)
                             if inverse:
@@ -493,11 +580,12 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             h0: T.Tensor((n_h0, h_v, dk, dv), acc),
             scale: T.float32,
             n_cta: T.int32,
+            ticket: T.Tensor((1,), "int32"),
             o: T.Tensor((n_tok, h_v, dv), dtype),
             ht: T.Tensor((n_ht, h_v, dk, dv), acc),
             tr: T.Tensor((TRACE_CTAS, 4, TRACE_CHUNKS, TRACE_EVENTS), "int64"),
         ):
-            body(q, k, v, None, None, g, beta, cu_seqlens, None, order, ht_rows, h0, scale, n_cta, o, ht, tr)
+            body(q, k, v, None, None, g, beta, cu_seqlens, None, order, ht_rows, h0, scale, n_cta, ticket, o, ht, tr)
 
         return kernel_onchip_traced
 
@@ -515,10 +603,11 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             h0: T.Tensor((n_h0, h_v, dk, dv), acc),
             scale: T.float32,
             n_cta: T.int32,
+            ticket: T.Tensor((1,), "int32"),
             o: T.Tensor((n_tok, h_v, dv), dtype),
             ht: T.Tensor((n_ht, h_v, dk, dv), acc),
         ):
-            body(q, k, v, None, None, g, beta, cu_seqlens, None, order, ht_rows, h0, scale, n_cta, o, ht, None)
+            body(q, k, v, None, None, g, beta, cu_seqlens, None, order, ht_rows, h0, scale, n_cta, ticket, o, ht, None)
 
         return kernel_onchip
 
@@ -536,10 +625,12 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
         h0: T.Tensor((n_h0, h_v, dk, dv), acc),
         scale: T.float32,
         n_cta: T.int32,
+        ticket: T.Tensor((1,), "int32"),
         o: T.Tensor((n_tok, h_v, dv), dtype),
         ht: T.Tensor((n_ht, h_v, dk, dv), acc),
     ):
-        body(q, k, v, tt, gb, None, None, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, n_cta, o, ht, None)
+        body(q, k, v, tt, gb, None, None, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, n_cta, ticket, o, ht,
+             None)
 
     return kernel
 

@@ -83,20 +83,23 @@ def test_matches_fp64_oracle(name, path, monkeypatch):
 
 
 def test_few_ctas_walk_many_pairs(monkeypatch):
-    """With the inverse on chip and a dense batch, five split-state CTAs walk its 384 (sequence, v-head) pairs, the
-    input ring running on from one pair into the next and each next pair's h0 prefetched: the outputs and final
-    states still meet the oracle. A varlen batch (lengths the host does not know) gets a CTA per pair."""
+    """With the inverse on chip five split-state CTAs walk 384 (sequence, v-head) pairs as their queues deal them
+    (a dense batch, and a varlen one of 0 to 210 tokens a sequence, walked here though ``_walks`` would give its
+    pairs a CTA each), the input ring running on from one pair into the next and each next pair's h0 prefetched: the
+    outputs and final states meet the oracle, and a second call (its ticket counter zeroed again) gives the same
+    bits."""
     kernels = _kernels()
     _force(monkeypatch, kernels, "onchip")
     monkeypatch.setattr(kernels, "_sm_count", lambda *_: 5)
     split = kernels._split_state
-    ctas = []
+    chosen = []
 
     def spy(n_pairs, device, walk=False, **params):
-        launch = split(n_pairs, device, walk, **params)
-        return lambda *args: (ctas.append((n_pairs, walk)), launch(*args))[1]
+        chosen.append((n_pairs, walk))
+        return split(n_pairs, device, True, **params)
 
     monkeypatch.setattr(kernels, "_split_state", spy)
+    monkeypatch.setattr(kernels, "_WALK_MIN_TOKENS", 150)  # the dense batch's sequences are 150 tokens long
     for cu in (None, _WALK_CU):
         B, T = (48, 150) if cu is None else (1, _WALK_CU[-1])
         kw, args = _case(B, T, 4, 8, torch.bfloat16, cu, True, False, seed=5)
@@ -106,7 +109,49 @@ def test_few_ctas_walk_many_pairs(monkeypatch):
             output_final_state=True, cu_seqlens=kw.get("cu_seqlens"),
         )
         assert rel_err(o, ref_o) <= TOL and rel_err(ht, ref_ht) <= TOL, (cu, rel_err(o, ref_o), rel_err(ht, ref_ht))
-    assert ctas == [(384, True), (384, False)], ctas
+        o2, ht2 = kernels.chunk_gdr_fwd_hopper(*args)
+        assert torch.equal(o, o2) and torch.equal(ht, ht2)
+    # by the rule: the dense batch walks, the varlen one (sequences shorter than the minimum) does not
+    assert chosen == [(384, True)] * 2 + [(384, False)] * 2, chosen
+
+
+def test_varlen_tables_once_per_tensor_and_inference_mode(monkeypatch):
+    """The chunk tables of a cu_seqlens tensor are built once outside CUDA-graph capture (again after an in-place
+    change), every time inside it; a cu_seqlens made under torch.inference_mode (no version counter) is neither
+    cached nor an error. Every run meets the oracle."""
+    kernels = _kernels()
+    built = []
+    real = kernels.seq_tables
+
+    class Spy:
+        def seq_tables(self, **params):
+            built.append(torch.cuda.is_current_stream_capturing())
+            return real.seq_tables(**params)
+
+    monkeypatch.setattr(kernels, "seq_tables", Spy())
+    B, T, H, HV, dtype, cu, h0, l2 = CASES["varlen-1tok-empty-h0"]
+    kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=11)
+    ref_o, _ = recurrent_gdr_reference(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale=128**-0.5,
+                                       initial_state=kw["initial_state"], cu_seqlens=kw["cu_seqlens"])
+    o1, _ = kernels.chunk_gdr_fwd_hopper(*args)
+    o2, _ = kernels.chunk_gdr_fwd_hopper(*args)
+    assert built == [False] and torch.equal(o1, o2) and rel_err(o1, ref_o) <= TOL
+    kw["cu_seqlens"].add_(0)  # an in-place write: the tables are built again
+    kernels.chunk_gdr_fwd_hopper(*args)
+    assert built == [False] * 2
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        o3, _ = kernels.chunk_gdr_fwd_hopper(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert built == [False] * 2 + [True] and torch.equal(o3, o1)
+    with torch.inference_mode():
+        frozen = kw["cu_seqlens"].clone()
+        o4, _ = kernels.chunk_gdr_fwd_hopper(*args[:7], frozen, *args[8:])
+        kernels.chunk_gdr_fwd_hopper(*args[:7], frozen, *args[8:])
+    assert built == [False] * 2 + [True] + [False] * 2 and torch.equal(o4, o1)
 
 
 CP_CASES = {
