@@ -118,6 +118,26 @@ def test_piece_tables(monkeypatch):
     assert pieces.first.tolist() == [int(p in seq_pieces[:-1]) for p in range(len(last))]
 
 
+def test_captured_tables_outlive_the_cache(monkeypatch):
+    """Piece tables a CUDA graph captured stay alive after the cache is cleared: the graph replays from them."""
+    from qla_compile.kernels import forward
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(forward, "_PIECE_TABLES", {})
+    monkeypatch.setattr(forward, "_CAPTURED", {})
+    cpu = torch.device("cpu")
+    kept = forward._piece_tables([4000, 300], 8, cpu)
+    capturing[0] = True
+    assert forward._piece_tables([4000, 300], 8, cpu) is kept
+    assert forward._piece_tables([5000], 8, cpu) is None  # not built yet: the captured call runs unsplit
+    capturing[0] = False
+    for n in range(forward._CACHE_SIZE):  # fills the cache: it is cleared once
+        forward._piece_tables([600 + n], 8, cpu)
+    assert all(v is not kept for v in forward._PIECE_TABLES.values())
+    assert list(forward._CAPTURED.values()) == [kept]
+
+
 @pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])
 def test_context_parallel_argument_is_checked(bad):
     from qla_compile.kernels.forward import _check_context_parallel

@@ -110,6 +110,16 @@ _LENGTHS: dict = {}
 _SEQ_TABLES: dict = {}
 _PIECE_TABLES: dict = {}
 _CACHE_SIZE = 64
+# cached tables a CUDA graph captured, kept for good: the graph replays from their addresses after the caches above
+# may have dropped them
+_CAPTURED: dict = {}
+
+
+def _held(cache, key, capturing):
+    """``cache[key]``, kept in ``_CAPTURED`` as well while a CUDA graph is ``capturing``."""
+    if capturing:
+        _CAPTURED[(id(cache), key)] = cache[key]
+    return cache[key]
 
 
 def _recall(cache, t, key=None):
@@ -189,10 +199,11 @@ _DENSE_TABLES: dict = {}
 
 def _dense_tables(batch, seqlen, device):
     """:func:`_tables` of ``batch`` sequences of ``seqlen`` tokens, built once per shape (four launches fewer per
-    call; built by those launches, uncached, while a CUDA graph is captured)."""
+    call; a captured call reuses them, kept for good then, or where none are cached builds them by those launches,
+    uncached)."""
     key = (str(device), batch, seqlen)
+    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
     if key not in _DENSE_TABLES:
-        capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
         where = device if capturing else "cpu"
         steps = torch.arange(batch + 1, device=where, dtype=torch.int32)
         chunks = (seqlen + CHUNK - 1) // CHUNK  # per sequence
@@ -210,7 +221,7 @@ def _dense_tables(batch, seqlen, device):
             _DENSE_TABLES.clear()
         spans, *rows = lasting_copy(flat, device).split(sizes)
         _DENSE_TABLES[key] = (*rows, spans.view(-1, 2))
-    return _DENSE_TABLES[key]
+    return _held(_DENSE_TABLES, key, capturing)
 
 
 def _check(q, k, v, g, beta, initial_state, cu_seqlens):
@@ -275,10 +286,11 @@ def lasting_copy(host, device):
 
 def _piece_tables(lens, chunks, device):
     """The :class:`_Pieces` of cutting ``lens`` every ``chunks`` chunks, built once per plan (a captured call
-    reuses it; None when it is not built yet and the stream is capturing)."""
+    reuses it, kept for good then; None when it is not built yet and the stream is capturing)."""
     key = (str(device), tuple(lens), chunks)
+    capturing = torch.cuda.is_current_stream_capturing()
     if key not in _PIECE_TABLES:
-        if torch.cuda.is_current_stream_capturing():
+        if capturing:
             return None
         cu, offs, seq_pieces, last = chunking.pieces(lens, chunks)
         order = sorted(range(len(last)), key=lambda p: offs[p] - offs[p + 1])  # stable: ties in piece order
@@ -293,7 +305,7 @@ def _piece_tables(lens, chunks, device):
         if len(_PIECE_TABLES) >= _CACHE_SIZE:
             _PIECE_TABLES.clear()
         _PIECE_TABLES[key] = _Pieces(*flat.split([len(row) for row in rows]), chunks)
-    return _PIECE_TABLES[key]
+    return _held(_PIECE_TABLES, key, capturing)
 
 
 def _extra_pieces(lens, chunks):
