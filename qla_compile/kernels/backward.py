@@ -26,8 +26,8 @@ from . import chunking
 from ._build import Kernels
 from .chunking import CHUNK
 from .forward import (_DTYPES, _block_dv, _check, _check_context_parallel, _chunk_tables, _cp_plan, _gate_inverse,
-                      _host_lengths, _n_slots, _piece_initial_states, _state_arg, _tables, cached_plan_views,
-                      lasting_copy)
+                      _held, _host_lengths, _n_slots, _piece_initial_states, _state_arg, _tables,
+                      cached_plan_views, lasting_copy)
 
 # the kernel modules' kernels, through ``_build.kernel``: prebuilt binaries load without importing TileLang
 chunk_grads = Kernels("chunk_grads")
@@ -112,12 +112,14 @@ def _grads_order(lens, chunks, h_v, n_bv, device):
     """``chunk_grads``' launch table (int32 ``[slots, 4]``, on the device): the chunk slots in
     :func:`_publish_order` for the walks of the reverse recurrence (the sequences of ``lens`` tokens, or their
     pieces of ``chunks`` chunks, each with ``h_v * n_bv`` CTAs), as :func:`_chunk_table` rows. Built once per
-    plan; ``lens`` None (unknown without a synchronisation) or all zero gives a placeholder row of -1: the kernel
-    then takes the slots last to first and searches for their sequences."""
-    if lens is None or not any(lens):
-        return torch.full((1, 4), -1, device=device, dtype=torch.int32)
+    plan (a captured call reuses it, kept for good then); ``lens`` None (unknown without a synchronisation) or all
+    zero, or a plan not built yet while a CUDA graph is captured, gives a placeholder row of -1: the kernel then
+    takes the slots last to first and searches for their sequences."""
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-    key = (str(device), tuple(lens), chunks, h_v, n_bv, n_sm)
+    key = (str(device), tuple(lens or ()), chunks, h_v, n_bv, n_sm)
+    capturing = torch.cuda.is_current_stream_capturing()
+    if lens is None or not any(lens) or (capturing and key not in _ORDERS):
+        return torch.full((1, 4), -1, device=device, dtype=torch.int32)
     if key not in _ORDERS:
         if chunks is None:
             n_c = [-(-n // CHUNK) for n in lens]
@@ -127,7 +129,7 @@ def _grads_order(lens, chunks, h_v, n_bv, device):
         if len(_ORDERS) >= _ORDERS_SIZE:
             _ORDERS.clear()
         _ORDERS[key] = lasting_copy(_chunk_table(lens, _publish_order(n_c, h_v * n_bv, n_sm)), device)
-    return _ORDERS[key]
+    return _held(_ORDERS, key, capturing)
 
 
 def _entering_gradients(q3, k3, do3, tt, gb, dht, scale, dtype, cp, transitions, entering):

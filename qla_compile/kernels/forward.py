@@ -33,7 +33,8 @@ the host: an uncaptured varlen call reads a CUDA ``cu_seqlens`` (one synchronisa
 lengths are cached by identity and version) where a backward follows and H_v <= 60, or, for a forward alone,
 where its shapes allow a split (``chunking.may_split``: H_v <= 80 and enough tokens), and builds the piece
 tables; a captured call runs context-parallel only when an earlier uncaptured call with the same ``cu_seqlens``
-tensor (or the same dense shape) left that plan in the cache, and unsplit otherwise.
+tensor (or the same dense shape) left that plan in the cache (the graph then keeps it, whatever lengths are written
+into that tensor later), and unsplit otherwise.
 Known gaps: a log gate of -inf gives NaN (clamp g >= -88 before the call); the q/k L2 norm runs as
 torch ops before the kernels.
 """

@@ -204,6 +204,32 @@ def test_captured_backward_without_host_lengths():
     assert all(torch.equal(a, b) for a, b in zip(eager, captured))
 
 
+def test_captured_backward_launch_table(monkeypatch):
+    """A backward captured with host lengths known but chunk_grads' launch table not built yet (it would be copied from
+    the host, which capture forbids) takes the placeholder's search; one captured after the table was built reuses
+    it and keeps it for good (the cache may drop it before the graph's last replay). Both bitwise the eager call."""
+    backward = _hopper()
+    from qla_compile.kernels import forward
+
+    kw, do, dht = _case(1, 700, 2, 4, torch.bfloat16, [0, 1, 65, 200, 201, 640], True, True, seed=17)
+    kw["cu_seqlens"] = kw["cu_seqlens"].cuda()
+    scale = 128**-0.5
+    eager = _run(backward, kw, do, dht, scale)
+    monkeypatch.setattr(forward, "_CAPTURED", {})
+    for built in (False, True):
+        if not built:
+            monkeypatch.setattr(backward, "_ORDERS", {})
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = _run(backward, kw, do, dht, scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+        assert len(backward._ORDERS) == 0 if not built else len(forward._CAPTURED) == 1
+        if not built:
+            _run(backward, kw, do, dht, scale)  # builds the table
+
+
 def test_tokens_past_last_sequence_get_zero_gradients():
     backward = _hopper()
     kw, do, _ = _case(1, 200, 1, 2, torch.bfloat16, [0, 70, 150], False, False, seed=3)
