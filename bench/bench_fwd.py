@@ -200,12 +200,12 @@ def fi07_worker(path, cp_mode):
                 continue
             t = time.time()
             try:
-                if name not in reply["ms"]:
+                if name not in reply["ms"]:  # its first turn
                     o, ht = fn(x)
                     torch.cuda.synchronize()
-                if name == FI07 and name not in reply["ms"]:  # the first call compiles FlashInfer's kernels
-                    reply["first_call_s"] = round(time.time() - t, 2)
-                    torch.save({"o": o.cpu(), "ht": ht.cpu()}, req["out_path"])
+                    if name == FI07:  # the first call compiles FlashInfer's kernels for a new variant
+                        reply["first_call_s"] = round(time.time() - t, 2)
+                        torch.save({"o": o.cpu(), "ht": ht.cpu()}, req["out_path"])
                 ms = round(time_graph(lambda: fn(x), reps=10), 4)
                 reply["ms"][name] = min(ms, reply["ms"].get(name, ms))
             except Exception as err:  # noqa: BLE001 - reported; the parent goes on

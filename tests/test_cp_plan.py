@@ -226,7 +226,7 @@ def test_cache_bound_holds_every_chosen_plan(cp, monkeypatch):
     from qla_compile.kernels import forward as kernels
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(kernels, "_sm_count", lambda *_: 132)
     rng = random.Random(0)
     capped = 0
     for _ in range(400):

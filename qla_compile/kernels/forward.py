@@ -126,7 +126,7 @@ def _held(cache, key, capturing):
 def _recall(cache, t, key=None):
     """What ``cache`` holds for tensor ``t`` (by identity, version counter and ``key``), else None."""
     hit = cache.get(id(t))
-    if hit is None or hit[0]() is not t or t.is_inference() or hit[1] != (t._version, key):
+    if hit is None or hit[0]() is not t or hit[1] != (t._version, key):  # no inference tensor is kept
         return None
     return hit[2]
 
@@ -351,8 +351,7 @@ def _cp_plan(choice, cu_seqlens, batch, seqlen, h_v, device, backward):
     if lens is None:
         return None
     if choice is None:
-        n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-        chunks = chunking.piece_chunks(lens, h_v, n_sm, backward)
+        chunks = chunking.piece_chunks(lens, h_v, _sm_count(device.index), backward)
         while chunks is not None and _extra_pieces(lens, chunks) * h_v > _CP_MAX_EXTRA_PIECE_HEADS:
             chunks *= 2  # within what cp_cache_numel provides for
     else:
@@ -443,7 +442,7 @@ def _split_state(n_pairs, device, walk=False, **params):
     kernel = split_state_recurrence.chunk_fwd_split(**params)
     n_cta = n_pairs
     if walk:
-        n_cta = min(n_pairs, _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+        n_cta = min(n_pairs, _sm_count(device.index))
 
     def launch(*args):
         # zeroed where the CTAs deal tickets; a launch with a CTA per pair never reads it
