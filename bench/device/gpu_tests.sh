@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# GPU tests on the device machine, in groups, each with its own time limit; logs to $OUT.
+# Carry [".devdeps"] (../shared/tools/device-bundle). Usage: bash bench/device/gpu_tests.sh [GROUP...]
+# Groups: core (fwd + api + bwd), models (models + passes), fla (FLA's layers; its Triton autotuning takes
+# minutes on a cold machine: TRITON_CACHE_DIR=/tmp/tc keeps it while the machine stays warm). Default: core models.
+set -uo pipefail
+mkdir -p /tmp/site && tar xJf .devdeps/site.tar.xz -C /tmp/site
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 QLA_CACHE_DIR=${QLA_CACHE_DIR:-/tmp/qc} TRITON_CACHE_DIR=/tmp/tc
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
+git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
+declare -A files=(
+  [core]="tests/gpu/test_fwd_hopper.py tests/gpu/test_api_hopper.py tests/gpu/test_bwd_hopper.py"
+  [models]="tests/gpu/test_models_hopper.py tests/gpu/test_passes_cuda.py"
+  [fla]="tests/gpu/test_fla_hopper.py"
+)
+declare -A limit=([core]=${CORE_S:-300} [models]=${MODELS_S:-240} [fla]=${FLA_S:-450})
+for g in "${@:-core models}"; do
+  for group in $g; do
+    start=$SECONDS
+    timeout "${limit[$group]}" python -m pytest -q -x -p no:cacheprovider ${files[$group]} > "$OUT/tests-$group.log" 2>&1
+    echo "$group: rc $? in $((SECONDS - start)) s: $(tail -1 "$OUT/tests-$group.log")"
+  done
+done
