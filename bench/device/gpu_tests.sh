@@ -18,7 +18,7 @@ declare -A limit=([core]=${CORE_S:-300} [models]=${MODELS_S:-240} [fla]=${FLA_S:
 for g in "${@:-core models}"; do
   for group in $g; do
     start=$SECONDS
-    timeout "${limit[$group]}" python -m pytest -q -x -p no:cacheprovider ${files[$group]} > "$OUT/tests-$group.log" 2>&1
+    timeout "${limit[$group]}" python -m pytest -q -x -p no:cacheprovider --durations=6 ${files[$group]} > "$OUT/tests-$group.log" 2>&1
     echo "$group: rc $? in $((SECONDS - start)) s: $(tail -1 "$OUT/tests-$group.log")"
   done
 done

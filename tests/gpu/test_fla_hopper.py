@@ -15,6 +15,24 @@ fla = pytest.importorskip("fla")
 LEAVES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_config_per_fla_kernel():
+    """FLA's Triton kernels each compiled for their first autotune config only: a full search compiles every config
+    of every kernel on first use (over 200 s of a cold machine for the first test). These tests compare numerics,
+    which the config changes by rounding at most. ``QLA_TEST_FLA_AUTOTUNE=1`` keeps FLA's search."""
+    import os
+
+    if os.environ.get("QLA_TEST_FLA_AUTOTUNE") == "1":
+        yield
+        return
+    from triton.runtime.autotuner import Autotuner
+
+    prune = Autotuner.prune_configs  # FLA's own pruning first, then its first survivor
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Autotuner, "prune_configs", lambda self, *a, **k: prune(self, *a, **k)[:1])
+        yield
+
+
 def _sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
