@@ -1,6 +1,8 @@
 """FLA on an H100/H200 with our backend registered (issue 19): FLA's public op and its ``GatedDeltaNet`` layer
 run our op, eagerly, and agree with the float64 oracle (the op) or with an fp32 run of the layer as closely as
 FLA's own kernels do; ``FLA_QLA_COMPILE=0`` gives the call back to FLA."""
+import os
+
 import pytest
 import torch
 from fla_checks import TorchGatedRMSNorm, _conv_standin
@@ -20,8 +22,6 @@ def _one_config_per_fla_kernel():
     """FLA's Triton kernels each compiled for their first autotune config only: a full search compiles every config
     of every kernel on first use (over 200 s of a cold machine for the first test). These tests compare numerics,
     which the config changes by rounding at most. ``QLA_TEST_FLA_AUTOTUNE=1`` keeps FLA's search."""
-    import os
-
     if os.environ.get("QLA_TEST_FLA_AUTOTUNE") == "1":
         yield
         return
