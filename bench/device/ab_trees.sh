@@ -19,4 +19,4 @@ ROWS=("$@")
 run base "$PWD"
 for n in $names; do run "$n" "/tmp/trees/$n"; done
 run base2 "$PWD"
-python bench/ab_compare.py "$OUT" --base base --unchecked "${UNCHECKED:-}" --md "$OUT/ab.md" | tail -n +1
+python bench/ab_compare.py "$OUT" --base base --unchecked "${UNCHECKED:-}" --md "$OUT/ab.md"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU tests on the device machine, in groups, each with its own time limit; logs to $OUT.
 # Carry [".devdeps"] (../shared/tools/device-bundle). Usage: bash bench/device/gpu_tests.sh [GROUP...]
-# Groups: core (fwd + api + bwd), models (models + passes), fla (FLA's layers; its Triton autotuning takes
-# minutes on a cold machine: TRITON_CACHE_DIR=/tmp/tc keeps it while the machine stays warm). Default: core models.
+# Groups: core (fwd + api + bwd, ~80 s), models (models + passes, ~160 s), fla (FLA's op and layer, ~160 s on a cold
+# machine; TRITON_CACHE_DIR=/tmp/tc keeps FLA's Triton kernels while the machine stays warm). Default: core models.
 set -uo pipefail
 mkdir -p /tmp/site && tar xJf .devdeps/site.tar.xz -C /tmp/site
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 QLA_CACHE_DIR=${QLA_CACHE_DIR:-/tmp/qc} TRITON_CACHE_DIR=/tmp/tc
