@@ -123,7 +123,7 @@ def test_captured_tables_outlive_the_cache(monkeypatch):
     from qla_compile.kernels import forward
 
     capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(forward, "_capturing", lambda device: capturing[0])
     monkeypatch.setattr(forward, "_PIECE_TABLES", {})
     monkeypatch.setattr(forward, "_CAPTURED", {})
     cpu = torch.device("cpu")

@@ -25,9 +25,9 @@ import torch
 from . import chunking
 from ._build import Kernels
 from .chunking import CHUNK
-from .forward import (_DTYPES, _block_dv, _check, _check_context_parallel, _chunk_tables, _cp_plan, _gate_inverse,
-                      _held, _host_lengths, _n_slots, _piece_initial_states, _sm_count, _state_arg, _tables,
-                      cached_plan_views, lasting_copy)
+from .forward import (_DTYPES, _block_dv, _capturing, _check, _check_context_parallel, _chunk_tables, _cp_plan,
+                      _gate_inverse, _held, _host_lengths, _n_slots, _piece_initial_states, _sm_count, _state_arg,
+                      _tables, cached_plan_views, lasting_copy)
 
 # the kernel modules' kernels, through ``_build.kernel``: prebuilt binaries load without importing TileLang
 chunk_grads = Kernels("chunk_grads")
@@ -115,7 +115,7 @@ def _grads_order(lens, chunks, h_v, n_bv, device):
     plan (a captured call reuses it, kept for good then); ``lens`` None (unknown without a synchronisation) or all
     zero, or a plan not built yet while a CUDA graph is captured, gives a placeholder row of -1: the kernel then
     takes the slots last to first and searches for their sequences."""
-    capturing = torch.cuda.is_current_stream_capturing()
+    capturing = _capturing(device)
     n_sm = _sm_count(device.index)
     key = None if lens is None or not any(lens) else (str(device), tuple(lens), chunks, h_v, n_bv, n_sm)
     if key is None or (capturing and key not in _ORDERS):

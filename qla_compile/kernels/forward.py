@@ -116,6 +116,11 @@ _CACHE_SIZE = 64
 _CAPTURED: dict = {}
 
 
+def _capturing(device):
+    """Whether a CUDA graph is being captured on the current stream of ``device``'s kind (never on the CPU)."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _held(cache, key, capturing):
     """``cache[key]``, kept in ``_CAPTURED`` as well while a CUDA graph is ``capturing``."""
     if capturing:
@@ -157,7 +162,7 @@ def _host_lengths(cu_seqlens, batch, seqlen, read=True):
     lens = _recall(_LENGTHS, cu_seqlens)
     if lens is not None:
         return lens
-    if not read or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not read or _capturing(cu_seqlens.device):
         return None
     if cu_seqlens.is_cuda and cu_seqlens.is_inference():
         _say_lengths_read_per_call()
@@ -174,7 +179,7 @@ def _tables(cu_seqlens, batch, seqlen, device):
     if cu_seqlens is None:
         return _dense_tables(batch, seqlen, device)
     key = (str(device), batch * seqlen)
-    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+    capturing = _capturing(device)
     tables = None if capturing else _recall(_SEQ_TABLES, cu_seqlens, key)
     if tables is not None:
         return tables
@@ -203,7 +208,7 @@ def _dense_tables(batch, seqlen, device):
     call; a captured call reuses them, kept for good then, or where none are cached builds them by those launches,
     uncached)."""
     key = (str(device), batch, seqlen)
-    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+    capturing = _capturing(device)
     if key not in _DENSE_TABLES:
         where = device if capturing else "cpu"
         steps = torch.arange(batch + 1, device=where, dtype=torch.int32)
@@ -289,7 +294,7 @@ def _piece_tables(lens, chunks, device):
     """The :class:`_Pieces` of cutting ``lens`` every ``chunks`` chunks, built once per plan (a captured call
     reuses it, kept for good then; None when it is not built yet and the stream is capturing)."""
     key = (str(device), tuple(lens), chunks)
-    capturing = torch.cuda.is_current_stream_capturing()
+    capturing = _capturing(device)
     if key not in _PIECE_TABLES:
         if capturing:
             return None
