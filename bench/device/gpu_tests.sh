@@ -9,7 +9,7 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 QLA_CACHE_DIR=${QLA_CACHE_DI
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
 # the tree that ran (the device's copy of .git may be older than its files): compare with the same line run locally
-echo "python tree $(find qla_compile tests -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)"
+echo "python tree $(find qla_compile tests -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)"
 declare -A files=(
   [core]="tests/gpu/test_fwd_hopper.py tests/gpu/test_api_hopper.py tests/gpu/test_bwd_hopper.py"
   [models]="tests/gpu/test_models_hopper.py tests/gpu/test_passes_cuda.py"
