@@ -117,7 +117,7 @@ _CAPTURED: dict = {}
 
 
 def _capturing(device):
-    """Whether a CUDA graph is being captured on the current stream of ``device``'s kind (never on the CPU)."""
+    """Whether work for ``device`` goes into a CUDA graph: the current CUDA stream is capturing (never for the CPU)."""
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
