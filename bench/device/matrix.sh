@@ -7,10 +7,11 @@
 #               (bench/flashinfer07_bundle.sh) into /tmp/fi07, FlashQLA's prebuilt kernels (bench/flashqla_cache.py)
 #               into /tmp/tl-cache
 #   PHASE=run   carry [".devdeps-fi07/fi07-part2.tar.xz"]: the second part, then the matrix for HEADS (bench_fwd's
-#               --heads items, default every head configuration of the matrix) over every sequence set, each head configuration its own process of at most
-#               LIMIT seconds; JSON and the dated .md into $OUT/fwd (render the whole matrix from several runs with
-#               bench_fwd.render). Session 24 (H100): 88-114 s a head configuration, so the seven need two or three
-#               run calls (each carrying part 2 again) within 30 s of one another; site and load take ~5 s each
+#               --heads items, default every head configuration of the matrix) over every sequence set, each head
+#               configuration its own process of at most LIMIT seconds; JSON and the dated .md into $OUT/fwd (render
+#               the whole matrix from several runs with bench_fwd.render). Session 24 (H100): 88-114 s a head
+#               configuration, so the seven need two or three run calls (each carrying part 2 again) within 30 s of
+#               one another; site and load take ~5 s each
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site TILELANG_CACHE_DIR=/tmp/tl-cache QLA_CACHE_DIR=/tmp/qc
 OUT=${OUT:-/tmp/out}
