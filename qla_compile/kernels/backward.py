@@ -25,9 +25,9 @@ import torch
 from . import chunking
 from ._build import Kernels
 from .chunking import CHUNK
-from .forward import (_DTYPES, _block_dv, _capturing, _check, _check_context_parallel, _chunk_tables, _cp_plan,
-                      _gate_inverse, _held, _host_lengths, _n_slots, _piece_initial_states, _sm_count, _state_arg,
-                      _tables, cached_plan_views, lasting_copy)
+from .forward import (_DTYPES, _block_dv, _cache_put, _capturing, _check, _check_context_parallel, _chunk_tables,
+                      _cp_plan, _gate_inverse, _held, _host_lengths, _n_slots, _piece_initial_states, _sm_count,
+                      _state_arg, _tables, cached_plan_views, lasting_copy)
 
 # the kernel modules' kernels, through ``_build.kernel``: prebuilt binaries load without importing TileLang
 chunk_grads = Kernels("chunk_grads")
@@ -64,8 +64,7 @@ def _chunk_states(q3, k3, v3, tt, gb, bad, cu, offsets, order, initial_state, dt
 
 
 # chunk_grads' launch orders, per (device, lengths, piece length, V-heads, DV slices, SMs)
-_ORDERS: dict = {}
-_ORDERS_SIZE = 64
+_ORDERS: dict = {}  # bounded as forward's caches (``_cache_put``)
 # list-scheduling the reverse recurrence's grid is skipped past this many CTAs (its walks then count as
 # starting together)
 _SCHEDULED_CTAS = 8192
@@ -126,9 +125,7 @@ def _grads_order(lens, chunks, h_v, n_bv, device):
         else:
             offs = chunking.pieces(lens, chunks)[1]
             n_c = [b - a for a, b in zip(offs, offs[1:])]
-        if len(_ORDERS) >= _ORDERS_SIZE:
-            _ORDERS.clear()
-        _ORDERS[key] = lasting_copy(_chunk_table(lens, _publish_order(n_c, h_v * n_bv, n_sm)), device)
+        _cache_put(_ORDERS, key, lasting_copy(_chunk_table(lens, _publish_order(n_c, h_v * n_bv, n_sm)), device))
     return _held(_ORDERS, key, capturing)
 
 

@@ -136,13 +136,18 @@ def _recall(cache, t, key=None):
     return hit[2]
 
 
+def _cache_put(cache, key, value):
+    """``cache[key] = value`` for a cache of at most ``_CACHE_SIZE`` entries (emptied first when full)."""
+    if len(cache) >= _CACHE_SIZE:
+        cache.clear()
+    cache[key] = value
+
+
 def _remember(cache, t, value, key=None):
     """``value``, kept in ``cache`` for tensor ``t`` (:func:`_recall`) unless ``t`` is an inference tensor, which
     keeps no version counter to tell an in-place change by."""
     if not t.is_inference():
-        if len(cache) >= _CACHE_SIZE:
-            cache.clear()
-        cache[id(t)] = (weakref.ref(t), (t._version, key), value)
+        _cache_put(cache, id(t), (weakref.ref(t), (t._version, key), value))
     return value
 
 
@@ -223,10 +228,8 @@ def _dense_tables(batch, seqlen, device):
         if capturing:
             spans, *rows = flat.split(sizes)
             return (*rows, spans.view(-1, 2))
-        if len(_DENSE_TABLES) >= _CACHE_SIZE:
-            _DENSE_TABLES.clear()
         spans, *rows = lasting_copy(flat, device).split(sizes)
-        _DENSE_TABLES[key] = (*rows, spans.view(-1, 2))
+        _cache_put(_DENSE_TABLES, key, (*rows, spans.view(-1, 2)))
     return _held(_DENSE_TABLES, key, capturing)
 
 
@@ -308,9 +311,7 @@ def _piece_tables(lens, chunks, device):
         dh0_row = [seq_of[p] if first[p] else -1 for p in range(len(last))]
         rows = [cu, offs, order, seq_pieces, [int(x) for x in last], only, first, ht_row, dh0_row]
         flat = lasting_copy(torch.tensor([x for row in rows for x in row], dtype=torch.int32), device)
-        if len(_PIECE_TABLES) >= _CACHE_SIZE:
-            _PIECE_TABLES.clear()
-        _PIECE_TABLES[key] = _Pieces(*flat.split([len(row) for row in rows]), chunks)
+        _cache_put(_PIECE_TABLES, key, _Pieces(*flat.split([len(row) for row in rows]), chunks))
     return _held(_PIECE_TABLES, key, capturing)
 
 
