@@ -136,9 +136,9 @@ def _recall(cache, t, key=None):
     return hit[2]
 
 
-def _cache_put(cache, key, value):
-    """``cache[key] = value`` for a cache of at most ``_CACHE_SIZE`` entries (emptied first when full)."""
-    if len(cache) >= _CACHE_SIZE:
+def _cache_put(cache, key, value, size=_CACHE_SIZE):
+    """``cache[key] = value`` for a cache of at most ``size`` entries (emptied first when full)."""
+    if len(cache) >= size:
         cache.clear()
     cache[key] = value
 
@@ -487,9 +487,8 @@ _CACHE_PLANS_SIZE = 4096
 
 
 def _record_cache_plan(cache, pieces):
-    if len(_CACHE_PLANS) >= _CACHE_PLANS_SIZE:
-        _CACHE_PLANS.clear()  # a backward whose record is gone recomputes what the cache held
-    _CACHE_PLANS[cache.data_ptr()] = pieces
+    # a backward whose record is gone (the bound emptied the records) recomputes what the cache held
+    _cache_put(_CACHE_PLANS, cache.data_ptr(), pieces, _CACHE_PLANS_SIZE)
 
 
 def cached_plan_views(cache, pieces, h_v, dk, dv):
