@@ -1,5 +1,5 @@
 """Fresh random GDN inputs for the tests, with a zero-decay head and a strong-decay head in every draw, and the
-tests' measures: relative error, outputs with gradients."""
+tests' measures: relative error, outputs with gradients, outputs of a replayed CUDA graph."""
 from __future__ import annotations
 
 import math
@@ -70,3 +70,13 @@ def outputs_and_grads(fn, args, differentiable=True):
     loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum()
                for o in outs)
     return [o.detach() for o in outs], torch.autograd.grad(loss, leaves, materialize_grads=True)
+
+
+def replayed(fn):
+    """The outputs of ``fn`` captured in a CUDA graph, after one replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return outputs

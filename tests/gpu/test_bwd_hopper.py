@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from gdn_inputs import make_inputs, rel_err
+from gdn_inputs import make_inputs, rel_err, replayed
 from qla_compile.reference import recurrent_gdr_reference
 
 pytestmark = pytest.mark.gpu
@@ -150,16 +150,6 @@ def test_deterministic(context_parallel, with_aux):
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
-def _replayed(fn):
-    """The outputs of ``fn`` captured in a CUDA graph, after one replay."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return outputs
-
-
 @pytest.mark.parametrize("with_aux", [False, True])
 @pytest.mark.parametrize("context_parallel", [None, 2])
 def test_cuda_graph_forward_backward(context_parallel, with_aux):
@@ -184,7 +174,7 @@ def test_cuda_graph_forward_backward(context_parallel, with_aux):
     with torch.cuda.stream(stream):
         step()
     torch.cuda.current_stream().wait_stream(stream)
-    captured = _replayed(step)
+    captured = replayed(step)
     assert all(torch.equal(a, b) for a, b in zip(eager, captured))
 
 
@@ -202,7 +192,7 @@ def test_captured_backward_without_host_lengths():
     fresh = dict(kw, cu_seqlens=kw["cu_seqlens"].clone())
     assert _host_lengths(kw["cu_seqlens"], 1, 700, read=False) is not None
     assert _host_lengths(fresh["cu_seqlens"], 1, 700, read=False) is None
-    captured = _replayed(lambda: _run(backward, fresh, do, dht, scale))
+    captured = replayed(lambda: _run(backward, fresh, do, dht, scale))
     assert all(torch.equal(a, b) for a, b in zip(eager, captured))
 
 
@@ -221,7 +211,7 @@ def test_captured_backward_launch_table(monkeypatch):
     for built in (False, True):
         if not built:
             monkeypatch.setattr(backward, "_ORDERS", {})
-        captured = _replayed(lambda: _run(backward, kw, do, dht, scale))
+        captured = replayed(lambda: _run(backward, kw, do, dht, scale))
         assert all(torch.equal(a, b) for a, b in zip(eager, captured))
         assert len(backward._ORDERS) == 0 if not built else len(forward._CAPTURED) == 1
         if not built:

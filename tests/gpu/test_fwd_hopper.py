@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from gdn_inputs import make_inputs, rel_err
+from gdn_inputs import make_inputs, rel_err, replayed
 from qla_compile.reference import recurrent_gdr_reference
 
 pytestmark = pytest.mark.gpu
@@ -139,13 +139,7 @@ def test_varlen_tables_once_per_tensor_and_inference_mode(monkeypatch):
     kw["cu_seqlens"].add_(0)  # an in-place write: the tables are built again
     kernels.chunk_gdr_fwd_hopper(*args)
     assert built == [False] * 2
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        o3, _ = kernels.chunk_gdr_fwd_hopper(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
+    o3, _ = replayed(lambda: kernels.chunk_gdr_fwd_hopper(*args))
     assert built == [False] * 2 + [True] and torch.equal(o3, o1)
     with torch.inference_mode():
         frozen = kw["cu_seqlens"].clone()
@@ -302,17 +296,10 @@ def test_context_parallel_under_capture():
     _, args = _case(1, 4096, 1, 4, torch.bfloat16, [0, 4000, 4096], True)
     eager = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=8)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        seen = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=8)
+    seen = replayed(lambda: kernels.chunk_gdr_fwd_hopper(*args, context_parallel=8))
     unseen_args = list(args)
     unseen_args[7] = args[7].clone()
-    graph2 = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph2):
-        unseen = kernels.chunk_gdr_fwd_hopper(*unseen_args, context_parallel=8)
-    graph.replay()
-    graph2.replay()
-    torch.cuda.synchronize()
+    unseen = replayed(lambda: kernels.chunk_gdr_fwd_hopper(*unseen_args, context_parallel=8))
     unsplit = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=False)
     assert all(torch.equal(a, b) for a, b in zip(seen, eager))
     assert all(torch.equal(a, b) for a, b in zip(unseen, unsplit))
