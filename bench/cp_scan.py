@@ -7,6 +7,12 @@ bench's gates: every fourth head does not decay). CUDA-graph medians (us) per ``
 each result against a float64 chain of the same inputs:
 
     python bench/cp_scan.py 8:16 16:16 64:4 --block-dv 16,32,64
+
+With ``--forward``, items are ``H_qk/H_v:seqs`` rows (bench_fwd's notation) and the package's context-parallel forward
+is timed with the rule's scan columns (``forward._scan_block_dv``) and with 32 (the scan's default), same process,
+with the relative L2 of the two outputs:
+
+    python bench/cp_scan.py --forward 2/8:1x32768 16/16:1x32768
 """
 
 import argparse
@@ -33,7 +39,10 @@ def main():
     ap.add_argument("shapes", nargs="+", help="H_v:pieces items, e.g. 8:16")
     ap.add_argument("--block-dv", default="16,32,64", help="comma list of the scan's block_dv values")
     ap.add_argument("--exact-every", type=int, default=1, help="one head in this many forms M (default: all)")
+    ap.add_argument("--forward", action="store_true", help="time the forward per rule and at 32 columns")
     args = ap.parse_args()
+    if args.forward:
+        return forward_ab(args.shapes)
     from qla_compile.kernels import context_parallel
 
     blocks = [int(b) for b in args.block_dv.split(",")]
@@ -45,7 +54,7 @@ def main():
         h_v, n_p = (int(s) for s in item.split(":"))
         e = torch.randn(n_p, h_v, dk, dv, device="cuda", generator=gen)
         q, _ = torch.linalg.qr(torch.randn(n_p, h_v, dk, dk, device="cuda", generator=gen))
-        m = 0.9 * q
+        m = (0.9 * q).contiguous()
         skip = torch.full((n_p, h_v), 3, device="cuda", dtype=torch.int32)
         skip[:, :: args.exact_every] = -1
         skip[-1] = 1 << 30  # the last piece passes nothing on
@@ -60,6 +69,34 @@ def main():
             worst = max(worst, rel_l2(h0p.double(), want))
             cells.append(f"{1e3 * time_graph(lambda: kernel(e, m, skip, seq_pieces, h0, h0p)):.1f}")
         print(f"| {item} | " + " | ".join(cells) + f" | {worst:.1e} |", flush=True)
+
+
+def forward_ab(rows):
+    """The forward with the rule's scan columns against 32 columns, per row."""
+    from bench.common import make_inputs, parse_seqs
+    from qla_compile.kernels import forward as F
+
+    rule = F._scan_block_dv
+    print("| row | scan columns | forward us, 32 columns | forward us, rule | speedup | o rel L2 |")
+    print("|---|---|---|---|---|---|")
+    for spec in rows:
+        heads, seqs = spec.split(":")
+        hk, hv = (int(h) for h in heads.split("/"))
+        lens = parse_seqs(seqs)
+        x = make_inputs(hk, hv, lens)
+
+        def forward():
+            return F.chunk_gdr_fwd_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["h0"], x["cu"])
+
+        us, outs = {}, {}
+        for name, fn in (("32", lambda *_: 32), ("rule", rule)):
+            F._scan_block_dv = fn
+            outs[name] = forward()[0].clone()
+            us[name] = 1e3 * time_graph(forward)
+        F._scan_block_dv = rule
+        cols = rule(len(lens) * hv, x["v"].shape[-1], x["v"].device)
+        print(f"| {spec} | {cols} | {us['32']:.1f} | {us['rule']:.1f} | {us['32'] / us['rule']:.3f} | "
+              f"{rel_l2(outs['rule'], outs['32']):.1e} |", flush=True)
 
 
 if __name__ == "__main__":

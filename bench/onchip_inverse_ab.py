@@ -6,6 +6,9 @@ memory floor, one elementwise op that reads q, k, v and writes o once (``addcmul
 v-heads):
 
     python bench/onchip_inverse_ab.py 32/32:4096x8 16/64:512x64 16/16:1000+3000+77 --out $OUT
+
+``--l2norm`` passes ``use_qk_l2norm=True`` (the forward normalises q and k, as a model with
+``use_qk_l2norm_in_kernel`` asks; the oracle normalises the same inputs).
 """
 
 import argparse
@@ -19,6 +22,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rows", nargs="+", help="H_qk/H_v:seqs items, e.g. 32/32:4096x8")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--l2norm", action="store_true", help="the forward normalises q and k itself")
     args = ap.parse_args()
     import torch
 
@@ -35,9 +39,10 @@ def main():
         cu = x["cu"].tolist()
 
         def forward():
-            return F.chunk_gdr_fwd_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["h0"], x["cu"])
+            return F.chunk_gdr_fwd_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["h0"], x["cu"],
+                                          use_qk_l2norm=args.l2norm)
 
-        row, outs = dict(row=spec), {}
+        row, outs = dict(row=spec, l2norm=args.l2norm), {}
         routed = F._onchip_inverse
         for onchip in (False, True):
             name = "onchip" if onchip else "kkt"
@@ -50,7 +55,7 @@ def main():
                 ref_o, _ = recurrent_gdr_reference(
                     x["q"][:, sl], x["k"][:, sl], x["v"][:, sl], x["g"][:, sl], x["beta"][:, sl], scale=x["scale"],
                     initial_state=x["h0"][n : n + 1], output_final_state=True,
-                    cu_seqlens=torch.tensor([0, t], device="cuda"))
+                    cu_seqlens=torch.tensor([0, t], device="cuda"), use_qk_l2norm_in_kernel=args.l2norm)
                 row[f"{name}_o_vs_fp64_seq{n}"] = rel_l2(outs[name][0][:, sl], ref_o)
         F._onchip_inverse = routed
         q, k, v = x["q"], x["k"], x["v"]

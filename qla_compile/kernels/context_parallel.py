@@ -34,14 +34,16 @@ _NO_CHUNKS = 1 << 30  # skip value of a sequence's last piece: its E and M are n
 
 
 @compiled
-def warmup_plan():
+def warmup_plan(*, need: bool = False):
     """Per (piece, v-head), the chunks the transition kernel skips (see ``chunk_fwd_ws``), in one launch.
 
     Call as ``kernel(gb, bad, chunk_offsets, final, skip)``: ``gb`` the forward's ``[slots, H_v, 2, 64]`` gate
     table (row 0, column 63: a chunk's summed log gate), ``bad`` its int32 ``[slots, H_v]`` contraction flags
     (both from ``kkt_inverse``), ``chunk_offsets`` the pieces' int32 ``[P+1]`` table, ``final`` int32
     ``[P]`` (nonzero: E and M of that piece are not needed, skip = ``_NO_CHUNKS``); writes int32 ``skip``
-    ``[P, H_v]``.
+    ``[P, H_v]``. With ``need`` (``kernel(gb, bad, chunk_offsets, final, skip, need)``) it also writes int32
+    ``need[slot, hv]``, nonzero for the chunks the transitions run (those a piece does not skip), which
+    ``kkt_inverse.kkt_inverse_tc(needed=True)`` reads (slots outside every piece are not written).
 
     A piece skips its chunks before the last ones whose gate sum drops below -10, provided every per-token
     map ``I - beta k k^T`` of the piece is a contraction (no chunk flagged in ``bad``), which the e^-10 bound
@@ -55,14 +57,8 @@ def warmup_plan():
     C, acc = CHUNK, "float32"
     threads = 128
 
-    @T.prim_func
-    def kernel(
-        gb: T.Tensor((n_chunk, h_v, 2, C), acc),
-        bad: T.Tensor((n_chunk, h_v), "int32"),
-        chunk_offsets: T.Tensor((n_p1,), "int32"),
-        final: T.Tensor((n_p1 - 1,), "int32"),
-        skip: T.Tensor((n_p1 - 1, h_v), "int32"),
-    ):
+    @T.macro
+    def body(gb, bad, chunk_offsets, final, skip, need_out):
         with T.Kernel(h_v, n_p1 - 1, threads=threads) as (hv, p):
             bad_s = T.alloc_shared((1,), "int32")  # some token's map is not a contraction
             gs_s = T.alloc_shared((threads,), acc)  # gate sums of the chunks, the last chunk first
@@ -90,8 +86,43 @@ def warmup_plan():
                                     first = n_c - 1 - (blk * threads + t)
                     T.sync_threads()
             T.sync_threads()
-            if tx == 0:
-                skip[p, hv] = T.if_then_else(final[p] != 0, _NO_CHUNKS, T.if_then_else(bad_s[0] == 0, first, -1))
+            if not need:
+                if tx == 0:
+                    skip[p, hv] = T.if_then_else(final[p] != 0, _NO_CHUNKS, T.if_then_else(bad_s[0] == 0, first, -1))
+            else:
+                skip_s = T.alloc_shared((1,), "int32")
+                if tx == 0:
+                    skip_s[0] = T.if_then_else(final[p] != 0, _NO_CHUNKS, T.if_then_else(bad_s[0] == 0, first, -1))
+                    skip[p, hv] = skip_s[0]
+                T.sync_threads()
+                for blk in T.serial(T.ceildiv(n_c, threads)):
+                    r = blk * threads + tx
+                    if r < n_c:
+                        need_out[c0 + r, hv] = T.if_then_else(r >= skip_s[0], 1, 0)
+
+    if need:
+        @T.prim_func
+        def kernel_need(
+            gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+            bad: T.Tensor((n_chunk, h_v), "int32"),
+            chunk_offsets: T.Tensor((n_p1,), "int32"),
+            final: T.Tensor((n_p1 - 1,), "int32"),
+            skip: T.Tensor((n_p1 - 1, h_v), "int32"),
+            need_out: T.Tensor((n_chunk, h_v), "int32"),
+        ):
+            body(gb, bad, chunk_offsets, final, skip, need_out)
+
+        return kernel_need
+
+    @T.prim_func
+    def kernel(
+        gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+        bad: T.Tensor((n_chunk, h_v), "int32"),
+        chunk_offsets: T.Tensor((n_p1,), "int32"),
+        final: T.Tensor((n_p1 - 1,), "int32"),
+        skip: T.Tensor((n_p1 - 1, h_v), "int32"),
+    ):
+        body(gb, bad, chunk_offsets, final, skip, None)
 
     return kernel
 
@@ -448,5 +479,8 @@ def transitions(*, dk: int, dv: int, dtype: str):
 def variants():
     """``(kernel name, params)`` of every scan and transition variant (K = V = 128)."""
     return ([("scan", dict(dk=128, dv=128, has_h0=has_h0, reverse=reverse))
-             for has_h0 in (True, False) for reverse in (False, True)] + [("warmup_plan", {})]
+             for has_h0 in (True, False) for reverse in (False, True)]
+            + [("scan", dict(dk=128, dv=128, has_h0=has_h0, block_dv=block_dv))
+               for has_h0 in (True, False) for block_dv in (8, 16)]
+            + [("warmup_plan", dict(need=need)) for need in (False, True)]
             + [("transitions", dict(dk=128, dv=128, dtype=dtype)) for dtype in ("bfloat16", "float16")])

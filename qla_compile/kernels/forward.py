@@ -270,6 +270,7 @@ class _Pieces(NamedTuple):
     ht_row: torch.Tensor  # [P] the sequence whose final state a piece gives (its last piece), else -1
     dh0_row: torch.Tensor  # [P] the sequence whose initial-state gradient a piece gives (its first piece), else -1
     chunks: int  # the piece length in 64-token chunks
+    walk: bool  # whether the on-chip forward over the pieces walks them (``_walks`` of the piece lengths)
 
 
 _TABLE_POOLS: dict = {}
@@ -311,7 +312,8 @@ def _piece_tables(lens, chunks, device):
         dh0_row = [seq_of[p] if first[p] else -1 for p in range(len(last))]
         rows = [cu, offs, order, seq_pieces, [int(x) for x in last], only, first, ht_row, dh0_row]
         flat = lasting_copy(torch.tensor([x for row in rows for x in row], dtype=torch.int32), device)
-        _cache_put(_PIECE_TABLES, key, _Pieces(*flat.split([len(row) for row in rows]), chunks))
+        _cache_put(_PIECE_TABLES, key, _Pieces(*flat.split([len(row) for row in rows]), chunks,
+                                               _walks([b - a for a, b in zip(cu, cu[1:])])))
     return _held(_PIECE_TABLES, key, capturing)
 
 
@@ -398,12 +400,19 @@ def _token_gates(g, beta, n_tok, h_v):
             beta.reshape(n_tok, h_v).to(torch.float32).contiguous())
 
 
-def _gate_inverse(k3, g, beta, spans, tables, dtype):
+def _gate_inverse(k3, g, beta, spans, tables, dtype, inverse=True, unit_keys=False):
     """``kkt_inverse`` into ``tables`` (from :func:`_chunk_tables`) for the packed ``k3``, the activated gates ``g``,
     ``beta`` and the chunk slots' ``spans`` (:func:`_tables`): one CTA per (chunk, v-head) where each v-head has its
-    own keys, else one per (chunk, qk-head, group of its v-heads), which forms K K^T once for the group."""
-    n_tok, h_v = k3.shape[0], tables[1].shape[1]
+    own keys, else one per (chunk, qk-head, group of its v-heads), which forms K K^T once for the group. Without
+    ``inverse`` the gate tables and contraction flags alone (the grouped kernel without its inverse; ``tt`` is
+    left as it is), with ``unit_keys`` (keys the forward L2-normalised) without reading K."""
+    tt, gb, bad = tables
+    n_tok, h_v = k3.shape[0], gb.shape[1]
     g_tok, b_tok = _token_gates(g, beta, n_tok, h_v)
+    if not inverse:
+        kkt_inverse.kkt_inverse(dk=k3.shape[2], dtype=dtype, inverse=False, unit_keys=unit_keys)(
+            k3, g_tok, b_tok, spans, gb, bad)
+        return
     kernel = kkt_inverse.kkt_inverse_tc if h_v == k3.shape[1] else kkt_inverse.kkt_inverse
     kernel(dk=k3.shape[2], dtype=dtype)(k3, g_tok, b_tok, spans, *tables)
 
@@ -499,14 +508,25 @@ def cached_plan_views(cache, pieces, h_v, dk, dv):
     return _cp_cache_views(cache, pieces.order.numel(), h_v, dk, dv)
 
 
-def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces, backward=False, cache=None):
+def _scan_block_dv(n_chains, dv, device):
+    """The forward scan's columns per CTA for ``n_chains`` (sequence, v-head) chains: the fewest (8, 16 or 32) that
+    keep its CTAs within one per SM, as each walks its chain alone and its product with M is most of a step (H100,
+    ``bench/results/2026-12-06-fwd-cp-scan-columns.md``: 16 pieces at 8 v-heads 17 us at 8 columns against 36 us at
+    32, at 16 v-heads 33 against 38 us; from 32 v-heads 32 columns are the fastest)."""
+    return next((b for b in (8, 16) if n_chains * (dv // b) <= _sm_count(device.index)), 32)
+
+
+def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces, backward=False, cache=None,
+                          sparse=None):
     """Every piece's initial state from ``context_parallel``, for the :class:`_Pieces` ``pieces`` (``tt, gb, bad`` from
     ``kkt_inverse``): ``(h0p, block_dv, skip,
     m, cache)``, h0p fp32 ``[P, H_v, K, V]``; ``skip`` and the transitions ``m`` as the transition kernel left
     them (M formed where ``skip < 0``); ``cache`` the flat tensor they are views of (:func:`_cp_cache_views`):
     the given one where it is large enough, else a new one.
     With ``backward`` M is also formed for the last piece of a sequence with several (the backward's reverse
-    scan needs M of every piece but the first)."""
+    scan needs M of every piece but the first). With ``sparse = (beta, spans)`` (:func:`_sparse_inverse`; ``beta``
+    fp32 ``[n_tok, H_v]``) ``kkt_inverse`` wrote only ``gb`` and ``bad``, and T~ is formed here into ``tt`` for
+    the chunks the transitions run."""
     h_v, dk, dv = v3.shape[1], k3.shape[2], v3.shape[2]
     n_p = pieces.order.numel()
     f32 = dict(device=q3.device, dtype=torch.float32)
@@ -516,25 +536,53 @@ def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
         views = _cp_cache_views(cache, n_p, h_v, dk, dv)
     h0p, m, skip = views
     final = pieces.final_bwd if backward else pieces.final_fwd
-    context_parallel.warmup_plan()(gb, bad, pieces.offsets, final, skip)
+    if sparse is None:
+        context_parallel.warmup_plan()(gb, bad, pieces.offsets, final, skip)
+    else:
+        b_tok, spans = sparse
+        need = torch.empty_like(bad)
+        context_parallel.warmup_plan(need=True)(gb, bad, pieces.offsets, final, skip, need)
+        kkt_inverse.kkt_inverse_tc(dk=dk, dtype=dtype, needed=True)(k3, b_tok, spans, need, tt)
     e = torch.empty(n_p, h_v, dk, dv, **f32)
     context_parallel.transitions(dk=dk, dv=dv, dtype=dtype)(k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order,
                                                            skip, e, m)
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else e[:1]
-    context_parallel.scan(dk=dk, dv=dv, has_h0=has_h0, reverse=False)(e, m, skip, pieces.seq_pieces, h0, h0p)
+    n_chains = (pieces.seq_pieces.numel() - 1) * h_v
+    context_parallel.scan(dk=dk, dv=dv, has_h0=has_h0, block_dv=_scan_block_dv(n_chains, dv, q3.device))(
+        e, m, skip, pieces.seq_pieces, h0, h0p)
     return h0p, _block_dv(n_p * h_v, dv), skip, m, cache
 
 
-def _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, pieces, for_backward, cache=None):
+def _sparse_inverse(pieces, h_qk, h_v, dv, for_backward):
+    """Whether a context-parallel forward over ``pieces`` forms T~ only for the chunks its transitions run and runs
+    the pass over the pieces with the inverse on chip (``kkt_inverse`` first writes the gate tables alone): a
+    forward alone whose v-heads have their own keys (``kkt_inverse_tc``: K K^T per v-head, the costly case) and
+    whose (piece, v-head) pairs fill the SMs (:func:`_onchip_inverse`). A forward that a backward follows keeps
+    every chunk's T~ for it."""
+    n_pairs = pieces.order.numel() * h_v
+    return not for_backward and h_v == h_qk and _block_dv(n_pairs, dv) == dv and _onchip_inverse(n_pairs)
+
+
+def _forward_cp(q3, k3, v3, g, beta, spans, tt, gb, bad, scale, initial_state, dtype, pieces, for_backward,
+                cache=None):
     """The fused forward over the :class:`_Pieces` ``pieces``, their initial states from ``context_parallel``:
-    ``(o, final_state, cache)`` (``cache`` as ``_piece_initial_states`` with ``backward=for_backward``)."""
+    ``(o, final_state, cache)`` (``cache`` as ``_piece_initial_states`` with ``backward=for_backward``). Where
+    :func:`_sparse_inverse`, ``kkt_inverse`` wrote only the gate tables and the pieces run with the inverse on
+    chip."""
+    n_tok, h_qk, h_v, dk, dv = k3.shape[0], k3.shape[1], v3.shape[1], k3.shape[2], v3.shape[2]
+    n_pairs = pieces.order.numel() * h_v
+    gates = _token_gates(g, beta, n_tok, h_v) if _sparse_inverse(pieces, h_qk, h_v, dv, for_backward) else None
     h0p, _, _, _, cache = _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
-                                                for_backward, cache)
+                                                for_backward, cache, None if gates is None else (gates[1], spans))
     o = torch.empty_like(v3)
     ht = torch.empty(pieces.seq_pieces.numel() - 1, *h0p.shape[1:], device=h0p.device, dtype=h0p.dtype)
-    kernel = _state_kernel(k3.shape[2], v3.shape[2], dtype, True, pieces.order.numel() * v3.shape[1], q3.device)
-    kernel(q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, pieces.ht_row, h0p, float(scale), o, ht)
+    if gates is not None:
+        kernel = _split_state(n_pairs, q3.device, pieces.walk, dk=dk, dv=dv, dtype=dtype, has_h0=True, inverse=True)
+        kernel(q3, k3, v3, *gates, pieces.cu, pieces.order, pieces.ht_row, h0p, float(scale), o, ht)
+    else:
+        kernel = _state_kernel(dk, dv, dtype, True, n_pairs, q3.device)
+        kernel(q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, pieces.ht_row, h0p, float(scale), o, ht)
     return o, ht, cache
 
 
@@ -587,9 +635,12 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     tt, gb, bad = _chunk_tables(0 if onchip else n_tok, 0 if onchip else n_seq, h_v, q.device)
     kept = (tt, gb) if for_backward else (tt[:0], gb[:0])
     if not onchip:
-        _gate_inverse(k3, g, beta, spans, (tt, gb, bad), dtype)
+        _gate_inverse(k3, g, beta, spans, (tt, gb, bad), dtype,
+                      inverse=cp is None or not _sparse_inverse(cp, h_qk, h_v, dv, for_backward),
+                      unit_keys=use_qk_l2norm)
     if cp is not None:
-        o, ht, filled = _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, cp, for_backward, cache)
+        o, ht, filled = _forward_cp(q3, k3, v3, g, beta, spans, tt, gb, bad, scale, initial_state, dtype, cp,
+                                    for_backward, cache)
         if for_backward:  # an explicit context_parallel may need more than the chosen plans' bound
             cache = filled
             _record_cache_plan(cache, cp)

@@ -36,6 +36,9 @@ _HALF = 32  # kkt_inverse works on two 32x32 diagonal blocks
 _HEADS_PER_CTA = 4  # v-heads (of one qk-head) per CTA of kkt_inverse; even (they are processed in pairs)
 _LD_STRIDE = 40  # fp32 row stride of the smem copies of K K^T (conflict-free fragment stores)
 _LD_BLOCK = _HALF * _LD_STRIDE + 4  # offset of the second diagonal block: 4 banks away from the first
+# |k|^2 bound of a key normalised in fp32 and rounded to bf16 or fp16 (each element within 2^-9 relative, so
+# |k|^2 <= (1 + 2^-9)^2), with margin: (1 + 2^-8)^2
+_UNIT_KEYS_NORM2 = 1.008
 
 
 @T.macro
@@ -115,12 +118,16 @@ def solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, l4, hh, e, lane):
 
 
 @compiled
-def kkt_inverse(*, dk: int, dtype: str):
+def kkt_inverse(*, dk: int, dtype: str, inverse: bool = True, unit_keys: bool = False):
     """Per chunk and v-head: T~ = (I + strictly_lower(diag(beta) K K^T))^-1 (fp16), the gate
     cumsum gamma with the masked beta (fp32 ``gb[chunk, hv] = [gamma; beta]``; rows past the
     sequence end get g = 0 and beta = 0, so their rows of T~ are unit rows) and int32
     ``bad[chunk, hv]``, nonzero when some token's map ``I - beta k k^T`` may not be a contraction
     (``beta < 0`` or ``beta |k|^2 > 2``, |k|^2 from the diagonal of K K^T): ``context_parallel.warmup_plan`` reads it.
+    Without ``inverse`` only ``gb`` and ``bad`` (no ``tt`` argument), for a context-parallel forward that forms T~
+    for the chunks its transitions run alone (``forward._sparse_inverse``); with ``unit_keys`` too (keys
+    L2-normalised by the forward, so ``|k|^2 <= _UNIT_KEYS_NORM2`` after rounding) K is not read at all and the
+    flags come from beta alone.
 
     One CTA (one warpgroup) per (chunk, qk-head, group of up to 4 v-heads of that qk-head): K and
     K K^T (fp32, wgmma) are computed once and kept in shared memory; only beta and the inverse differ
@@ -145,18 +152,10 @@ def kkt_inverse(*, dk: int, dtype: str):
     Q = H // 2
     acc = "float32"
     half = "float16"
-    assert GB % 2 == 0
+    assert GB % 2 == 0 and not (unit_keys and inverse)
 
-    @T.prim_func
-    def kernel(
-        k: T.Tensor((n_tok, h_qk, dk), dtype),
-        g: T.Tensor((n_tok, h_v), acc),
-        beta: T.Tensor((n_tok, h_v), acc),
-        spans: T.Tensor((n_chunk, 2), "int32"),
-        tt: T.Tensor((n_chunk, h_v, C, C), half),
-        gb: T.Tensor((n_chunk, h_v, 2, C), acc),
-        bad: T.Tensor((n_chunk, h_v), "int32"),
-    ):
+    @T.macro
+    def body(k, g, beta, spans, tt, gb, bad):
         with T.Kernel(n_chunk, h_qk, T.ceildiv(h_v // h_qk, GB), threads=128) as (chunk, hq, hz):
             T.annotate_min_blocks_per_sm(5)
             T.pdl_trigger()  # the next kernel, a programmatic dependent, may launch as this grid's last CTAs run
@@ -185,26 +184,29 @@ def kkt_inverse(*, dk: int, dtype: str):
             start = T.alloc_var("int32", init=span[0])
             length = T.alloc_var("int32", init=span[1])
             if length > 0:
-                # K by TMA (rows past the sequence end have beta = 0; past n_tok they are zero-filled)
-                T.tma_copy(k[start : start + C, hq, :], k_s, barrier=k_ready)
-                T.barrier_arrive(k_ready)
+                if not unit_keys:  # K by TMA (rows past the sequence end have beta = 0; past n_tok zero-filled)
+                    T.tma_copy(k[start : start + C, hq, :], k_s, barrier=k_ready)
+                    T.barrier_arrive(k_ready)
                 if tx < GB:
                     bad_s[tx] = 0
                 for h, i in T.Parallel(GB, C):
                     valid = (i < length) & (h < cnt)
                     bt_s[h, i] = T.if_then_else(valid, beta[start + i, hv0 + h], T.float32(0))
                     gt_s[h, i] = T.if_then_else(valid, g[start + i, hv0 + h], T.float32(0))
-                # b_s too: a pair's missing second head leaves its rows unsolved, and the X A^-1 wgmma multiplies
-                # them by the zeros of a_s, which must not meet a NaN
-                for i, j in T.Parallel(C, C):
-                    b_s[i, j] = T.cast(0, half)
-                    if i // H != j // H:
-                        a_s[i, j] = T.cast(0, half)
-                T.barrier_wait(k_ready, 0)
-                T.gemm(k_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                split_kkt(p_f, ld_s, c_s)
-                if tx < C:  # row tx: |k|^2 from the diagonal of K K^T
-                    kk = ld_s[tx // H, (tx % H) * LS + tx % H]
+                if inverse:  # b_s too: a pair's missing second head leaves its rows unsolved, and the X A^-1 wgmma
+                    # multiplies them by the zeros of a_s, which must not meet a NaN
+                    for i, j in T.Parallel(C, C):
+                        b_s[i, j] = T.cast(0, half)
+                        if i // H != j // H:
+                            a_s[i, j] = T.cast(0, half)
+                if not unit_keys:
+                    T.barrier_wait(k_ready, 0)
+                    T.gemm(k_s, k_s, p_f, transpose_B=True, clear_accum=True)
+                    split_kkt(p_f, ld_s, c_s)
+                else:
+                    T.sync_threads()  # beta in shared memory
+                if tx < C:  # row tx: |k|^2 from the diagonal of K K^T, or its bound for unit keys
+                    kk = T.float32(_UNIT_KEYS_NORM2) if unit_keys else ld_s[tx // H, (tx % H) * LS + tx % H]
                     for h in T.unroll(GB):
                         if (bt_s[h, tx] < 0) | (bt_s[h, tx] * kk > 2):
                             bad_s[h] = 1
@@ -216,65 +218,89 @@ def kkt_inverse(*, dk: int, dtype: str):
                 if tx < cnt:
                     bad[chunk, hv0 + tx] = bad_s[tx]
 
-                for pair in T.serial(T.ceildiv(cnt, 2)):
-                    h0 = pair * 2
-                    # the previous pair's wgmma has finished reading a_s and b_s in every warp
-                    T.sync_threads()
-                    # Substitution, fp32 (solve_diagonal, solve_off_diagonal), by the warps of heads that are there
-                    # (an odd count's last pair has one: the other head's rows of the product are not stored)
-                    if tx < 64:
-                        e = tx // 32
-                        hh = h0 + e
-                        blk = (tx % 32) // Q
-                        c = tx % Q
-                        if hh < cnt:
-                            solve_diagonal(ld_s, bt_s, b_s, x, y, l4, hh, e, blk, c)
-                            for r in T.unroll(H):
-                                tt[chunk, hv0 + hh, blk * H + r, blk * H + c] = T.cast(x[r], half)
-                            for r in T.unroll(Q):
-                                tt[chunk, hv0 + hh, blk * H + r, blk * H + Q + c] = T.cast(0, half)
-                            for r in T.unroll(Q, H):
-                                tt[chunk, hv0 + hh, blk * H + r, blk * H + Q + c] = T.cast(y[r - Q], half)
-                    elif h0 + tx // 32 - 2 < cnt:
-                        e = tx // 32 - 2
-                        solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, l4, h0 + e, e, tx % 32)
-                    # rows 32 e .. 32 e + 31, columns 0..31: X A^-1 of head h0 + e
-                    T.gemm(a_s, b_s, p_f, clear_accum=True)
-                    for e, i, j in T.Parallel(2, H, H):
-                        if h0 + e < cnt:
-                            tt[chunk, hv0 + h0 + e, i, H + j] = T.cast(0, half)
-                    for i, j in T.Parallel(C, C):
-                        if (j < H) & (h0 + i // H < cnt):
-                            tt[chunk, hv0 + h0 + i // H, H + i % H, j] = T.cast(-p_f[i, j], half)
+                if inverse:  # else the gate tables alone
+                    for pair in T.serial(T.ceildiv(cnt, 2)):
+                        h0 = pair * 2
+                        # the previous pair's wgmma has finished reading a_s and b_s in every warp
+                        T.sync_threads()
+                        # Substitution, fp32 (solve_diagonal, solve_off_diagonal), by the warps of heads that are there
+                        # (an odd count's last pair has one: the other head's rows of the product are not stored)
+                        if tx < 64:
+                            e = tx // 32
+                            hh = h0 + e
+                            blk = (tx % 32) // Q
+                            c = tx % Q
+                            if hh < cnt:
+                                solve_diagonal(ld_s, bt_s, b_s, x, y, l4, hh, e, blk, c)
+                                for r in T.unroll(H):
+                                    tt[chunk, hv0 + hh, blk * H + r, blk * H + c] = T.cast(x[r], half)
+                                for r in T.unroll(Q):
+                                    tt[chunk, hv0 + hh, blk * H + r, blk * H + Q + c] = T.cast(0, half)
+                                for r in T.unroll(Q, H):
+                                    tt[chunk, hv0 + hh, blk * H + r, blk * H + Q + c] = T.cast(y[r - Q], half)
+                        elif h0 + tx // 32 - 2 < cnt:
+                            e = tx // 32 - 2
+                            solve_off_diagonal(ld_s, c_s, bt_s, a_s, x, l4, h0 + e, e, tx % 32)
+                        # rows 32 e .. 32 e + 31, columns 0..31: X A^-1 of head h0 + e
+                        T.gemm(a_s, b_s, p_f, clear_accum=True)
+                        for e, i, j in T.Parallel(2, H, H):
+                            if h0 + e < cnt:
+                                tt[chunk, hv0 + h0 + e, i, H + j] = T.cast(0, half)
+                        for i, j in T.Parallel(C, C):
+                            if (j < H) & (h0 + i // H < cnt):
+                                tt[chunk, hv0 + h0 + i // H, H + i % H, j] = T.cast(-p_f[i, j], half)
 
-    return kernel
+    if inverse:
+        @T.prim_func
+        def kernel(
+            k: T.Tensor((n_tok, h_qk, dk), dtype),
+            g: T.Tensor((n_tok, h_v), acc),
+            beta: T.Tensor((n_tok, h_v), acc),
+            spans: T.Tensor((n_chunk, 2), "int32"),
+            tt: T.Tensor((n_chunk, h_v, C, C), half),
+            gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+            bad: T.Tensor((n_chunk, h_v), "int32"),
+        ):
+            body(k, g, beta, spans, tt, gb, bad)
+
+        return kernel
+
+    @T.prim_func
+    def kernel_tables(
+        k: T.Tensor((n_tok, h_qk, dk), dtype),
+        g: T.Tensor((n_tok, h_v), acc),
+        beta: T.Tensor((n_tok, h_v), acc),
+        spans: T.Tensor((n_chunk, 2), "int32"),
+        gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+        bad: T.Tensor((n_chunk, h_v), "int32"),
+    ):
+        body(k, g, beta, spans, None, gb, bad)
+
+    return kernel_tables
 
 
 @compiled
-def kkt_inverse_tc(*, dk: int, dtype: str, heads: int = 1):
+def kkt_inverse_tc(*, dk: int, dtype: str, heads: int = 1, needed: bool = False):
     """:func:`kkt_inverse`'s outputs (T~, ``gb``, ``bad``; same call), the inverse on tensor cores: one CTA (one
     warpgroup) per chunk and ``heads`` v-heads of one qk-head (1, 2 or 4, dividing H_v / H_qk). K by TMA, K K^T by
     one wgmma (fp32, kept in registers for the CTA's v-heads); per v-head, diag(beta) K K^T rounded to fp16 into a
     padded tile (unmasked: the inverse reads L~ only) and the contraction flags from the fragment's diagonal, then the
     tile inverted in place by ``tile_inverse`` (block doubling on tensor cores) and stored as T~. ~30 KB of shared
-    memory and 58 registers (``heads`` = 1), so seven CTAs share an SM."""
+    memory and 58 registers (``heads`` = 1), so seven CTAs share an SM.
+
+    With ``needed`` (``heads`` = 1; for a context-parallel forward alone, ``forward._sparse_inverse``) the call is
+    ``kernel(k, beta, spans, need, tt)``: T~ only where the int32 ``need[chunk, hv]`` (``context_parallel.warmup_plan``)
+    is nonzero, i.e. for the chunks the transitions run; no gate tables (:func:`kkt_inverse` without its inverse
+    wrote them)."""
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
     C, TS, HB, acc, half = CHUNK, TILE_STRIDE, heads, "float32", "float16"
-    assert HB in (1, 2, 4)
+    assert HB in (1, 2, 4) and not (needed and HB > 1)
 
-    @T.prim_func
-    def kernel(
-        k: T.Tensor((n_tok, h_qk, dk), dtype),
-        g: T.Tensor((n_tok, h_v), acc),
-        beta: T.Tensor((n_tok, h_v), acc),
-        spans: T.Tensor((n_chunk, 2), "int32"),
-        tt: T.Tensor((n_chunk, h_v, C, C), half),
-        gb: T.Tensor((n_chunk, h_v, 2, C), acc),
-        bad: T.Tensor((n_chunk, h_v), "int32"),
-    ):
+    @T.macro
+    def body(k, g, beta, spans, need, tt, gb, bad):
         with T.Kernel(n_chunk, h_v // HB, threads=128) as (chunk, hz):
             if HB > 1:  # K K^T stays in registers across the v-heads: keep five CTAs per SM
                 T.annotate_min_blocks_per_sm(5)
@@ -296,39 +322,75 @@ def kkt_inverse_tc(*, dk: int, dtype: str, heads: int = 1):
                 span[e] = spans[chunk, e]
             start = T.alloc_var("int32", init=span[0])
             length = T.alloc_var("int32", init=span[1])
+            if needed:
+                if need[chunk, hv0] == 0:
+                    length = 0
             if length > 0:
                 # K by TMA (rows past the sequence end have beta = 0; past n_tok they are zero-filled)
                 T.tma_copy(k[start : start + C, hk, :], k_s, barrier=k_ready)
                 T.barrier_arrive(k_ready)
                 for h, i in T.Parallel(HB, C):
                     bt_s[h, i] = T.if_then_else(i < length, beta[start + i, hv0 + h], T.float32(0))
-                    gt_s[h, i] = T.if_then_else(i < length, g[start + i, hv0 + h], T.float32(0))
+                    if not needed:
+                        gt_s[h, i] = T.if_then_else(i < length, g[start + i, hv0 + h], T.float32(0))
                 if tx < HB:
                     bad_s[tx] = 0
                 T.barrier_wait(k_ready, 0)
                 T.sync_threads()
                 T.gemm(k_s, k_s, p_f, transpose_B=True, clear_accum=True)
-                T.cumsum(gt_s, dim=1)
+                if not needed:
+                    T.cumsum(gt_s, dim=1)
                 for h in T.serial(HB):
                     for i, j in T.Parallel(C, C):
                         t_s[i * TS + j] = T.cast(bt_s[h, i] * p_f[i, j], half)  # the inverse reads L~ only
-                        if i == j:  # |k_i|^2 on the diagonal
-                            if (bt_s[h, i] < 0) | (bt_s[h, i] * p_f[i, j] > 2):
-                                bad_s[h] = 1
+                        if not needed:
+                            if i == j:  # |k_i|^2 on the diagonal
+                                if (bt_s[h, i] < 0) | (bt_s[h, i] * p_f[i, j] > 2):
+                                    bad_s[h] = 1
                     T.sync_threads()
                     T.call_extern("handle", "qla_tile_inverse", T.address_of(t_s[0]), T.address_of(scratch[0]))
                     for i, j in T.Parallel(C, C):
                         tt[chunk, hv0 + h, i, j] = t_s[i * TS + j]
                     T.sync_threads()  # every lane has read the tile before the next v-head's fill
-                for h, r, i in T.Parallel(HB, 2, C):
-                    gb[chunk, hv0 + h, r, i] = T.if_then_else(r == 0, gt_s[h, i], bt_s[h, i])
-                if tx < HB:
-                    bad[chunk, hv0 + tx] = bad_s[tx]
+                if not needed:
+                    for h, r, i in T.Parallel(HB, 2, C):
+                        gb[chunk, hv0 + h, r, i] = T.if_then_else(r == 0, gt_s[h, i], bt_s[h, i])
+                    if tx < HB:
+                        bad[chunk, hv0 + tx] = bad_s[tx]
+
+    if needed:
+        @T.prim_func
+        def kernel_needed(
+            k: T.Tensor((n_tok, h_qk, dk), dtype),
+            beta: T.Tensor((n_tok, h_v), acc),
+            spans: T.Tensor((n_chunk, 2), "int32"),
+            need: T.Tensor((n_chunk, h_v), "int32"),
+            tt: T.Tensor((n_chunk, h_v, C, C), half),
+        ):
+            body(k, None, beta, spans, need, tt, None, None)
+
+        return kernel_needed
+
+    @T.prim_func
+    def kernel(
+        k: T.Tensor((n_tok, h_qk, dk), dtype),
+        g: T.Tensor((n_tok, h_v), acc),
+        beta: T.Tensor((n_tok, h_v), acc),
+        spans: T.Tensor((n_chunk, 2), "int32"),
+        tt: T.Tensor((n_chunk, h_v, C, C), half),
+        gb: T.Tensor((n_chunk, h_v, 2, C), acc),
+        bad: T.Tensor((n_chunk, h_v), "int32"),
+    ):
+        body(k, g, beta, spans, None, tt, gb, bad)
 
     return kernel
 
 
 def variants():
-    """``(kernel name, params)`` of both inverse kernels' variants (bf16 and fp16 k, K = 128)."""
-    return [(name, dict(dk=128, dtype=dtype)) for name in ("kkt_inverse", "kkt_inverse_tc")
+    """``(kernel name, params)`` of both inverse kernels' variants and the gate tables alone (bf16 and fp16 k,
+    K = 128)."""
+    return [(name, dict(dk=128, dtype=dtype, **extra))
+            for name, extra in (("kkt_inverse", {}), ("kkt_inverse_tc", {}), ("kkt_inverse", dict(inverse=False)),
+                                ("kkt_inverse", dict(inverse=False, unit_keys=True)),
+                                ("kkt_inverse_tc", dict(needed=True)))
             for dtype in ("bfloat16", "float16")]

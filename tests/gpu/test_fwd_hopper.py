@@ -68,7 +68,7 @@ def test_matches_fp64_oracle(name, path, monkeypatch):
     kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=len(name))
     ran = []
     inverse = kernels._gate_inverse
-    monkeypatch.setattr(kernels, "_gate_inverse", lambda *a: ran.append("kkt_inverse") or inverse(*a))
+    monkeypatch.setattr(kernels, "_gate_inverse", lambda *a, **k: ran.append("kkt_inverse") or inverse(*a, **k))
     o, ht = kernels.chunk_gdr_fwd_hopper(*args)
     assert ran == ([] if path == "onchip" else ["kkt_inverse"])
     ref_o, ref_ht = recurrent_gdr_reference(
@@ -153,15 +153,21 @@ CP_CASES = {
     "cp-varlen-gva4-h0": (1, 5000, 2, 8, torch.bfloat16, [0, 3000, 3001, 3700, 5000], True, False, 8),
     "cp-dense-fp16-l2norm": (2, 1500, 1, 2, torch.float16, None, False, True, 4),
     "cp-auto-1x4096": (1, 4096, 1, 4, torch.bfloat16, None, True, False, None),
+    # every v-head its own keys: on chip, T~ only for the chunks the transitions run (forward._sparse_inverse)
+    "cp-varlen-mha-h0": (1, 5000, 4, 4, torch.bfloat16, [0, 3000, 3001, 3700, 5000], True, False, 8),
+    # and keys the forward normalises: the gate tables without reading K (kkt_inverse(unit_keys=True))
+    "cp-dense-mha-fp16-l2norm": (2, 1500, 2, 2, torch.float16, None, False, True, 4),
 }
 
 
-@pytest.mark.parametrize("block_dv", BLOCK_DV)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", list(CP_CASES))
-def test_context_parallel_matches_fp64_oracle(name, block_dv, monkeypatch):
-    """Pieces of a sequence run in parallel from warm-up or exact transition states (``context_parallel``)."""
+def test_context_parallel_matches_fp64_oracle(name, path, monkeypatch):
+    """Pieces of a sequence run in parallel from warm-up or exact transition states (``context_parallel``), over
+    the pieces with the inverse on chip (walking them where none is short: ``cp-auto-1x4096``) or after
+    ``kkt_inverse``."""
     kernels = _kernels()
-    _force(monkeypatch, kernels, block_dv)
+    _force(monkeypatch, kernels, path)
     B, T, H, HV, dtype, cu, h0, l2, cp = CP_CASES[name]
     kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=len(name))
     lens = [T] * B if cu is None else [b - a for a, b in zip(cu, cu[1:])]
@@ -179,10 +185,14 @@ def test_context_parallel_matches_fp64_oracle(name, block_dv, monkeypatch):
     assert rel_err(o, o1) <= TOL and rel_err(ht, ht1) <= TOL
 
 
-def test_context_parallel_exact_transitions_for_long_keys():
-    """|k| > 1 voids the warm-up bound: every piece then carries its exact transition M."""
+@pytest.mark.parametrize("h_qk, path", [(1, None), (4, "onchip")])
+def test_context_parallel_exact_transitions_for_long_keys(h_qk, path, monkeypatch):
+    """|k| > 1 voids the warm-up bound: every piece then carries its exact transition M (with ``onchip`` and a
+    qk-head per v-head, T~ then formed for every chunk after the gate tables alone)."""
     kernels = _kernels()
-    kw, args = _case(1, 2000, 1, 4, torch.bfloat16, None, True, seed=3)
+    if path:
+        _force(monkeypatch, kernels, path)
+    kw, args = _case(1, 2000, h_qk, 4, torch.bfloat16, None, True, seed=3)
     k = (kw["k"].float() * 1.5).to(torch.bfloat16)  # beta |k|^2 up to 2.25 > 2
     args = (args[0], k) + args[2:]
     o, ht = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=4)
@@ -347,6 +357,10 @@ def test_every_output_element_written(path, monkeypatch):
     assert not o.isnan().any() and not ht.isnan().any()
     _, args = _case(1, 2000, 2, 4, torch.bfloat16, [0, 1500, 1501, 2000], True)
     o, ht = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=4)  # pieces, E, M, their states: all poisoned
+    assert not o.isnan().any() and not ht.isnan().any()
+    # a qk-head per v-head: on chip, T~ of the chunks the transitions skip is never formed, nor read
+    _, args = _case(1, 2000, 4, 4, torch.bfloat16, [0, 1500, 1501, 2000], True)
+    o, ht = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=4)
     assert not o.isnan().any() and not ht.isnan().any()
 
 
