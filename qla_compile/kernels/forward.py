@@ -564,22 +564,20 @@ def _sparse_inverse(pieces, h_qk, h_v, dv, for_backward):
     return not for_backward and h_v == h_qk and _block_dv(n_pairs, dv) == dv and _onchip_inverse(n_pairs)
 
 
-def _forward_cp(q3, k3, v3, g, beta, spans, tt, gb, bad, scale, initial_state, dtype, pieces, for_backward,
-                cache=None):
+def _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, pieces, for_backward, cache=None, sparse=None):
     """The fused forward over the :class:`_Pieces` ``pieces``, their initial states from ``context_parallel``:
-    ``(o, final_state, cache)`` (``cache`` as ``_piece_initial_states`` with ``backward=for_backward``). Where
-    :func:`_sparse_inverse`, ``kkt_inverse`` wrote only the gate tables and the pieces run with the inverse on
-    chip."""
-    n_tok, h_qk, h_v, dk, dv = k3.shape[0], k3.shape[1], v3.shape[1], k3.shape[2], v3.shape[2]
+    ``(o, final_state, cache)`` (``cache`` as ``_piece_initial_states`` with ``backward=for_backward``). With
+    ``sparse = (g, beta, spans)`` (where :func:`_sparse_inverse`; the token gates as :func:`_token_gates` gives
+    them), ``kkt_inverse`` wrote only the gate tables and the pieces run with the inverse on chip."""
+    h_v, dk, dv = v3.shape[1], k3.shape[2], v3.shape[2]
     n_pairs = pieces.order.numel() * h_v
-    gates = _token_gates(g, beta, n_tok, h_v) if _sparse_inverse(pieces, h_qk, h_v, dv, for_backward) else None
     h0p, _, _, _, cache = _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
-                                                for_backward, cache, None if gates is None else (gates[1], spans))
+                                                for_backward, cache, None if sparse is None else sparse[1:])
     o = torch.empty_like(v3)
     ht = torch.empty(pieces.seq_pieces.numel() - 1, *h0p.shape[1:], device=h0p.device, dtype=h0p.dtype)
-    if gates is not None:
+    if sparse is not None:
         kernel = _split_state(n_pairs, q3.device, pieces.walk, dk=dk, dv=dv, dtype=dtype, has_h0=True, inverse=True)
-        kernel(q3, k3, v3, *gates, pieces.cu, pieces.order, pieces.ht_row, h0p, float(scale), o, ht)
+        kernel(q3, k3, v3, *sparse[:2], pieces.cu, pieces.order, pieces.ht_row, h0p, float(scale), o, ht)
     else:
         kernel = _state_kernel(dk, dv, dtype, True, n_pairs, q3.device)
         kernel(q3, k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order, pieces.ht_row, h0p, float(scale), o, ht)
@@ -634,13 +632,14 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
               and _onchip_inverse(n_seq * h_v))
     tt, gb, bad = _chunk_tables(0 if onchip else n_tok, 0 if onchip else n_seq, h_v, q.device)
     kept = (tt, gb) if for_backward else (tt[:0], gb[:0])
+    sparse = cp is not None and _sparse_inverse(cp, h_qk, h_v, dv, for_backward)
+    if sparse:  # converted once for the gate tables and the pass over the pieces
+        g, beta = _token_gates(g, beta, n_tok, h_v)
     if not onchip:
-        _gate_inverse(k3, g, beta, spans, (tt, gb, bad), dtype,
-                      inverse=cp is None or not _sparse_inverse(cp, h_qk, h_v, dv, for_backward),
-                      unit_keys=use_qk_l2norm)
+        _gate_inverse(k3, g, beta, spans, (tt, gb, bad), dtype, inverse=not sparse, unit_keys=use_qk_l2norm)
     if cp is not None:
-        o, ht, filled = _forward_cp(q3, k3, v3, g, beta, spans, tt, gb, bad, scale, initial_state, dtype, cp,
-                                    for_backward, cache)
+        o, ht, filled = _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, cp, for_backward, cache,
+                                    (g, beta, spans) if sparse else None)
         if for_backward:  # an explicit context_parallel may need more than the chosen plans' bound
             cache = filled
             _record_cache_plan(cache, cp)
