@@ -178,7 +178,7 @@ def forward_keeping(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
     act = _activated(q, k, v, g, beta, A_log, dt_bias, opts)
     o, ht, tt, gb, _, cp_cache = _kernels().chunk_gdr_fwd_hopper_aux(
         act.q, act.k, act.v, act.g, act.beta, opts.scale, _state_to_kv(initial_state, opts), cu_seqlens,
-        for_backward=for_backward,
+        for_backward=for_backward, keys_normalised=opts.use_qk_l2norm_in_kernel,
     )
     output = o, (ht.mT.contiguous() if opts.state_v_first else ht), tt.view(-1), gb.view(-1), cp_cache
     return output, (act if input_activations() is not None else None)

@@ -585,7 +585,8 @@ def _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, pieces, fo
 
 
 def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None, cu_seqlens=None,
-                             use_qk_l2norm: bool = False, context_parallel=None, for_backward: bool = True):
+                             use_qk_l2norm: bool = False, context_parallel=None, for_backward: bool = True,
+                             keys_normalised: bool = False):
     """The forward plus the aux a backward can reuse.
 
     Returns ``(o, final_state, tt, gb, chunk_offsets, cp_cache)``. Chunk j of sequence n is slot
@@ -595,7 +596,9 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     a sequence's end have g = beta = 0 (so gamma repeats the last value and T~ has unit rows there).
     Without ``for_backward`` (a forward alone) ``tt`` and ``gb`` come back empty: they are then only scratch,
     and where the inverse is formed on chip (:func:`_onchip_inverse`) not even that.
-    With ``use_qk_l2norm`` the kernels see the normalised q, k (done here with torch ops).
+    With ``use_qk_l2norm`` the kernels see the normalised q, k (done here with torch ops); ``keys_normalised``: the
+    caller normalised k already (as ``dispatch`` does in its input-activation launch), so that, as with
+    ``use_qk_l2norm``, a context-parallel gate pass need not read k for the contraction flags.
     ``context_parallel``: None chooses (``chunking.piece_chunks``, with ``for_backward`` the rule of a forward
     and backward pair), False never splits, an int splits every longer sequence into pieces of that many
     chunks. ``cp_cache``: with ``for_backward``, a flat fp32 tensor of :func:`cp_cache_numel` elements (a size
@@ -636,7 +639,8 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     if sparse:  # converted once for the gate tables and the pass over the pieces
         g, beta = _token_gates(g, beta, n_tok, h_v)
     if not onchip:
-        _gate_inverse(k3, g, beta, spans, (tt, gb, bad), dtype, inverse=not sparse, unit_keys=use_qk_l2norm)
+        _gate_inverse(k3, g, beta, spans, (tt, gb, bad), dtype, inverse=not sparse,
+                      unit_keys=use_qk_l2norm or keys_normalised)
     if cp is not None:
         o, ht, filled = _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, cp, for_backward, cache,
                                     (g, beta, spans) if sparse else None)
