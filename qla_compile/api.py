@@ -79,7 +79,8 @@ def op_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: G
     With ``lift`` (a graph is being traced) the L2 norm of q/k, the gate activation, beta's sigmoid and the
     contiguous copies run as torch ops of the traced graph rather than inside the op: Inductor fuses them into
     the kernels that produce q, k, v, g and beta, and differentiates them with the rest of the model (the same
-    math as the op's own, which serves eager calls)."""
+    math as the op's own, which serves eager calls); the op is told that k comes normalised."""
+    keys_normalised = lift and opts.use_qk_l2norm_in_kernel
     if lift:
         if opts.use_qk_l2norm_in_kernel:
             q, k = l2norm_fp32(q), l2norm_fp32(k)
@@ -91,7 +92,7 @@ def op_call(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: G
     o, final_state, *_ = op(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts.scale, opts.use_qk_l2norm_in_kernel,
         opts.use_gate_in_kernel, opts.use_beta_sigmoid_in_kernel, opts.allow_neg_eigval, opts.state_v_first,
-        for_backward,
+        for_backward, keys_normalised,
     )
     return o, final_state
 

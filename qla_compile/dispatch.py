@@ -140,12 +140,15 @@ def cp_cache_like(q, k, v, cu_seqlens, for_backward: bool):
     return v.new_empty(n, dtype=torch.float32)
 
 
-def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions, for_backward=True):
+def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions, for_backward=True,
+            keys_normalised=False):
     """``(o, final_state, tt, gb, cp_cache)``; ``tt, gb`` as described by :func:`aux_like`, ``cp_cache`` the
     Hopper forward's context-parallel cache (``kernels.chunk_gdr_fwd_hopper_aux``; sized as
     :func:`cp_cache_like`, filled when the forward split; empty when ``for_backward`` is false, which also
-    picks the forward-only splitting rule)."""
-    return forward_keeping(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, for_backward)[0]
+    picks the forward-only splitting rule). ``keys_normalised``: k comes L2-normalised (the norm lifted out of the
+    op into a traced graph), which spares a context-parallel Hopper forward a read of k."""
+    return forward_keeping(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, for_backward,
+                           keys_normalised=keys_normalised)[0]
 
 
 class Activated(NamedTuple):
@@ -162,7 +165,7 @@ class Activated(NamedTuple):
 
 
 def forward_keeping(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts: GDROptions,
-                    for_backward=True):
+                    for_backward=True, keys_normalised=False):
     """``(output, activated)``: :func:`forward`'s output and, for a Hopper call with the Triton activations, the
     kernels' inputs (:class:`Activated`), which :func:`backward_activated` takes instead of recomputing them
     (else None)."""
@@ -178,7 +181,7 @@ def forward_keeping(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
     act = _activated(q, k, v, g, beta, A_log, dt_bias, opts)
     o, ht, tt, gb, _, cp_cache = _kernels().chunk_gdr_fwd_hopper_aux(
         act.q, act.k, act.v, act.g, act.beta, opts.scale, _state_to_kv(initial_state, opts), cu_seqlens,
-        for_backward=for_backward, keys_normalised=opts.use_qk_l2norm_in_kernel,
+        for_backward=for_backward, keys_normalised=keys_normalised or opts.use_qk_l2norm_in_kernel,
     )
     output = o, (ht.mT.contiguous() if opts.state_v_first else ht), tt.view(-1), gb.view(-1), cp_cache
     return output, (act if input_activations() is not None else None)

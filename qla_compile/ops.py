@@ -39,15 +39,16 @@ def chunk_gdr_fwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None, cu_seqlens: Tensor | None,
     scale: float, use_qk_l2norm: bool, use_gate: bool, use_beta_sigmoid: bool, allow_neg_eigval: bool,
-    state_v_first: bool, for_backward: bool = True,
+    state_v_first: bool, for_backward: bool = True, keys_normalised: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = GDROptions(scale, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, state_v_first)
-    return dispatch.forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, for_backward)
+    return dispatch.forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, for_backward,
+                            keys_normalised=keys_normalised)
 
 
 @chunk_gdr_fwd.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, use_qk_l2norm, use_gate,
-      use_beta_sigmoid, allow_neg_eigval, state_v_first, for_backward=True):
+      use_beta_sigmoid, allow_neg_eigval, state_v_first, for_backward=True, keys_normalised=False):
     ht = v.new_empty(_state_shape(v, k, cu_seqlens, state_v_first), dtype=torch.float32)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     opts = GDROptions(scale, use_qk_l2norm, use_gate, use_beta_sigmoid, allow_neg_eigval, state_v_first)
@@ -82,7 +83,7 @@ _N_FLAGS = 6  # scale and the five booleans after cu_seqlens
 
 
 def _setup_context(ctx, inputs, output):
-    _keep(ctx, inputs[:9], inputs[9:], output)  # q .. cu_seqlens, then the flags and for_backward
+    _keep(ctx, inputs[:9], inputs[9:], output)  # q .. cu_seqlens, then the flags, for_backward, keys_normalised
 
 
 def _keep(ctx, saved, flags, output):
@@ -97,7 +98,7 @@ def _keep(ctx, saved, flags, output):
 def _input_grads(ctx, do, dht, eager: bool):
     """The backward of the op's autograd and (``eager``) of :class:`EagerChunkGDR`, which calls
     ``dispatch.backward`` directly instead of the op ``qla::chunk_gdr_bwd``: the saved inputs' gradients, None for
-    absent ones, then None for cu_seqlens, the flags and for_backward."""
+    absent ones, then None for cu_seqlens, the flags, for_backward and keys_normalised."""
     *inputs, tt, gb, cp_cache = ctx.saved_tensors  # q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     do = torch.zeros_like(inputs[2]) if do is None else do
     if eager:
@@ -109,8 +110,8 @@ def _input_grads(ctx, do, dht, eager: bool):
 
 def _returned(inputs, grads):
     """The gradients of the present ones of ``inputs`` (q .. initial_state), None for absent ones and for
-    cu_seqlens, the flags and for_backward."""
-    return tuple(None if x is None else d for x, d in zip(inputs, grads)) + (None,) * (2 + _N_FLAGS)
+    cu_seqlens, the flags, for_backward and keys_normalised."""
+    return tuple(None if x is None else d for x, d in zip(inputs, grads)) + (None,) * (3 + _N_FLAGS)
 
 
 def _backward(ctx, do, dht, _dtt, _dgb, _dcp):
@@ -137,7 +138,8 @@ class EagerChunkGDR(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags):
         with _profiled("qla::chunk_gdr_fwd"):
             output, act = dispatch.forward_keeping(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                                                   GDROptions(*flags[:_N_FLAGS]), flags[_N_FLAGS])
+                                                   GDROptions(*flags[:_N_FLAGS]), flags[_N_FLAGS],
+                                                   keys_normalised=flags[_N_FLAGS + 1])
         rest = (g, beta, A_log, dt_bias, initial_state, cu_seqlens)
         _keep(ctx, (q, k, v, *rest) if act is None else (*act, *rest), flags, output)
         ctx.activated = act is not None

@@ -94,8 +94,8 @@ def test_compile_dynamic_hopper_aux(varlen, dynamic, monkeypatch):
 
     seen = []
 
-    def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, for_backward):
-        assert for_backward  # the inputs require grad
+    def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, for_backward, keys_normalised):
+        assert for_backward and keys_normalised  # the inputs require grad; the norm is lifted into the graph
         tt, gb = dispatch.aux_like(q, k, v, cu_seqlens, for_backward=True)
         o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts)
         cache = dispatch.cp_cache_like(q, k, v, cu_seqlens, for_backward)
@@ -134,9 +134,9 @@ def test_forward_is_told_whether_a_backward_follows(monkeypatch):
     seen = []
     real = dispatch.forward_keeping  # what the op's forward and eager calls' forward run
 
-    def forward(*args):
+    def forward(*args, **kwargs):
         seen.append(args[-1])
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(dispatch, "forward_keeping", forward)
     kw = _fresh(70)

@@ -199,9 +199,11 @@ def test_forward_alone_keeps_no_aux(seqs):
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
-def test_eager_l2norm_forward_reads_no_keys_for_the_gates(monkeypatch):
-    """An eager forward alone with ``use_qk_l2norm_in_kernel``, context-parallel with a qk-head per v-head (4
-    pieces x 32 v-heads), tells the forward that its keys come normalised, so the gate pass reads no K
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_l2norm_forward_reads_no_keys_for_the_gates(compiled, monkeypatch):
+    """A forward alone with ``use_qk_l2norm_in_kernel``, context-parallel with a qk-head per v-head (4 pieces x 32
+    v-heads), tells the Hopper forward that its keys come normalised (eagerly by the op's own norm, compiled by the
+    norm lifted into the graph: the op's ``keys_normalised``), so the gate pass reads no K
     (``kkt_inverse(unit_keys=True)``); output and final state meet the float64 oracle."""
     from qla_compile.kernels import forward
 
@@ -209,8 +211,9 @@ def test_eager_l2norm_forward_reads_no_keys_for_the_gates(monkeypatch):
     monkeypatch.setattr(forward, "_gate_inverse", lambda *a, **k: seen.append(k) or gate_inverse(*a, **k))
     kw = make_inputs(T=4096, H=32, HV=32, K=128, V=128, l2norm=True, initial_state=True, dtype=torch.bfloat16,
                      device="cuda")
+    fn = torch.compile(chunk_gated_delta_rule, fullgraph=True) if compiled else chunk_gated_delta_rule
     with torch.no_grad():
-        o, ht = chunk_gated_delta_rule(**kw, output_final_state=True)
+        o, ht = fn(**kw, output_final_state=True)
         ro, rht = recurrent_gdr_reference(**_leaves(kw, torch.float64), output_final_state=True)
     assert [(s["inverse"], s["unit_keys"]) for s in seen] == [(False, True)]
     assert rel_err(o, ro) < 5e-3 and rel_err(ht, rht) < 5e-3
