@@ -29,7 +29,7 @@ from qla_compile.kernels import backward as hopper_backward  # noqa: E402
 
 def _stub_kernels():
     """Replace the Hopper kernels and the Triton activations by stubs that only allocate their outputs."""
-    def forward(q, k, v, g, beta, scale, h0, cu, for_backward=True):
+    def forward(q, k, v, g, beta, scale, h0, cu, for_backward=True, keys_normalised=False):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         return (torch.empty_like(v), v.new_empty(B, HV, K, V, dtype=torch.float32),

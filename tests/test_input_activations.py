@@ -121,10 +121,11 @@ from qla_compile import api, dispatch
 from qla_compile.kernels import backward as hopper_backward, input_activations as acts
 from qla_compile.reference import GDROptions, chunk_gdr_bwd_reference, chunk_gdr_fwd_reference, recurrent_gdr_reference
 
-seen = {"fwd_v": [], "bwd_v": [], "calls": []}
+seen = {"fwd_v": [], "bwd_v": [], "calls": [], "keys_normalised": []}
 
-def fwd(q, k, v, g, beta, scale, h0, cu, for_backward=True):  # the Hopper forward's contract, by the reference
+def fwd(q, k, v, g, beta, scale, h0, cu, for_backward=True, keys_normalised=False):  # the Hopper forward, by the reference
     seen["fwd_v"].append((v.data_ptr(), v.is_contiguous(), q.is_contiguous() and k.is_contiguous()))
+    seen["keys_normalised"].append(keys_normalised)
     o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, None, None, h0, cu, GDROptions(scale))
     return o, ht, v.new_empty(0), v.new_empty(0), None, v.new_empty(0)
 
@@ -176,7 +177,7 @@ print(json.dumps(dict(
     errors={n: rel_err(x, r) for n, x, r in zip(["o", "ht"] + names, outs + list(grads), ref_outs + list(ref_grads))},
     calls_fwd=calls_fwd, calls_bwd=seen["calls"][len(calls_fwd):],
     v_copied=seen["fwd_v"][0][0] != v.data_ptr() and seen["fwd_v"][0][1] and seen["fwd_v"][0][2],
-    bwd_same_v=seen["bwd_v"] == [(*seen["fwd_v"][0][:2], True)],
+    bwd_same_v=seen["bwd_v"] == [(*seen["fwd_v"][0][:2], True)], keys_normalised=seen["keys_normalised"],
     choices={f"{i}: {w}": n for (i, w), n in dispatch.choices().items()})))
 """
 
@@ -195,6 +196,7 @@ def test_eager_hopper_path_keeps_the_activated_inputs_for_its_backward():
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["calls_fwd"] == ["l2norm", "gates"] and r["calls_bwd"] == [], r
     assert r["v_copied"] and r["bwd_same_v"], r
+    assert r["keys_normalised"] == [True], r  # the op's own norm ran: the forward is told
     assert list(r["choices"]) == ["hopper: our Hopper kernels (SM90, bf16/fp16, K = V = 128)"], r
     assert r["choices"]["hopper: our Hopper kernels (SM90, bf16/fp16, K = V = 128)"] == 2, r
     # bf16 q, k, v (rounded once from the oracle's inputs' values) and bf16 o and gradients
