@@ -108,6 +108,24 @@ def rel_l2(x, ref):
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def oracle_errors(o, x, lens, l2norm=False, prefix=2048):
+    """``{n: rel_l2}`` of the output ``o`` of the :func:`make_inputs` ``x`` (sequence lengths ``lens``) against the
+    float64 recurrence, on the first and last sequences, a prefix of at most ``prefix`` tokens each (from their
+    initial states; ``l2norm``: the oracle normalises q and k)."""
+    from qla_compile.reference import recurrent_gdr_reference
+
+    cu, errors = x["cu"].tolist(), {}
+    for n in sorted({0, len(lens) - 1}):
+        a, t = cu[n], min(lens[n], prefix)
+        sl = slice(a, a + t)
+        ref_o, _ = recurrent_gdr_reference(
+            x["q"][:, sl], x["k"][:, sl], x["v"][:, sl], x["g"][:, sl], x["beta"][:, sl], scale=x["scale"],
+            initial_state=x["h0"][n : n + 1], output_final_state=True, cu_seqlens=torch.tensor([0, t], device=o.device),
+            use_qk_l2norm_in_kernel=l2norm)
+        errors[n] = rel_l2(o[:, sl], ref_o)
+    return errors
+
+
 def versions():
     """Versions of torch, the GPU and every implementation, for the results files."""
     out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}

@@ -22,9 +22,8 @@ def main():
     import torch
 
     import qla_compile
-    from bench.common import make_inputs, parse_seqs, rel_l2, time_graph, write_results
+    from bench.common import make_inputs, oracle_errors, parse_seqs, rel_l2, time_graph, write_results
     from qla_compile.kernels import forward as F
-    from qla_compile.reference import recurrent_gdr_reference
 
     aux = F.chunk_gdr_fwd_hopper_aux
     rows = []
@@ -51,14 +50,8 @@ def main():
             with torch.no_grad():
                 outs[name] = [t.clone() for t in forward()]
                 row[name + "_us"] = time_graph(forward) * 1e3
-            for n in sorted({0, len(lens) - 1}):
-                a, t = cu_cpu[n].item(), min(lens[n], 2048)
-                sl = slice(a, a + t)
-                ref_o, _ = recurrent_gdr_reference(
-                    x["q"][:, sl], x["k"][:, sl], x["v"][:, sl], x["g"][:, sl], x["beta"][:, sl], scale=x["scale"],
-                    initial_state=x["h0"][n : n + 1], output_final_state=True,
-                    cu_seqlens=torch.tensor([0, t], device="cuda"), use_qk_l2norm_in_kernel=True)
-                row[f"{name}_o_vs_fp64_seq{n}"] = rel_l2(outs[name][0][:, sl], ref_o)
+            for n, err in oracle_errors(outs[name][0], x, lens, l2norm=True).items():
+                row[f"{name}_o_vs_fp64_seq{n}"] = err
         F.chunk_gdr_fwd_hopper_aux = aux
         row["o_told_vs_untold"] = rel_l2(outs["told"][0], outs["untold"][0])
         row["ht_told_vs_untold"] = rel_l2(outs["told"][1], outs["untold"][1])

@@ -26,9 +26,8 @@ def main():
     args = ap.parse_args()
     import torch
 
-    from bench.common import make_inputs, parse_seqs, rel_l2, time_graph, write_results
+    from bench.common import make_inputs, oracle_errors, parse_seqs, rel_l2, time_graph, write_results
     from qla_compile.kernels import forward as F
-    from qla_compile.reference import recurrent_gdr_reference
 
     rows = []
     for spec in args.rows:
@@ -36,7 +35,6 @@ def main():
         hk, hv = (int(h) for h in heads.split("/"))
         lens = parse_seqs(seqs)
         x = make_inputs(hk, hv, lens)
-        cu = x["cu"].tolist()
 
         def forward():
             return F.chunk_gdr_fwd_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["h0"], x["cu"],
@@ -49,14 +47,8 @@ def main():
             F._onchip_inverse = lambda *_, on=onchip: on
             outs[name] = [t.clone() for t in forward()]
             row[name + "_us"] = time_graph(forward) * 1e3
-            for n in sorted({0, len(lens) - 1}):
-                a, t = cu[n], min(lens[n], 2048)
-                sl = slice(a, a + t)
-                ref_o, _ = recurrent_gdr_reference(
-                    x["q"][:, sl], x["k"][:, sl], x["v"][:, sl], x["g"][:, sl], x["beta"][:, sl], scale=x["scale"],
-                    initial_state=x["h0"][n : n + 1], output_final_state=True,
-                    cu_seqlens=torch.tensor([0, t], device="cuda"), use_qk_l2norm_in_kernel=args.l2norm)
-                row[f"{name}_o_vs_fp64_seq{n}"] = rel_l2(outs[name][0][:, sl], ref_o)
+            for n, err in oracle_errors(outs[name][0], x, lens, args.l2norm).items():
+                row[f"{name}_o_vs_fp64_seq{n}"] = err
         F._onchip_inverse = routed
         q, k, v = x["q"], x["k"], x["v"]
         group = (*v.shape[:2], hk, hv // hk, v.shape[-1])
