@@ -123,7 +123,7 @@ from qla_compile.reference import GDROptions, chunk_gdr_bwd_reference, chunk_gdr
 
 seen = {"fwd_v": [], "bwd_v": [], "calls": [], "keys_normalised": []}
 
-def fwd(q, k, v, g, beta, scale, h0, cu, for_backward=True, keys_normalised=False):  # the Hopper forward, by the reference
+def fwd(q, k, v, g, beta, scale, h0, cu, for_backward=True, keys_normalised=False):  # the Hopper forward, by reference
     seen["fwd_v"].append((v.data_ptr(), v.is_contiguous(), q.is_contiguous() and k.is_contiguous()))
     seen["keys_normalised"].append(keys_normalised)
     o, ht = chunk_gdr_fwd_reference(q, k, v, g, beta, None, None, h0, cu, GDROptions(scale))
