@@ -17,6 +17,13 @@ def parse_seqs(spec: str) -> list[int]:
     return [b] if a == 1 else [a] * b
 
 
+def parse_row(spec: str) -> tuple[int, int, list[int]]:
+    """A benchmark row '16/64:512x64' -> (H_qk, H_v, sequence lengths) = (16, 64, [512] * 64)."""
+    heads, seqs = spec.split(":")
+    h_qk, h_v = (int(h) for h in heads.split("/"))
+    return h_qk, h_v, parse_seqs(seqs)
+
+
 def make_inputs(h_qk, h_v, lens, dtype=torch.bfloat16, dk=128, dv=128, device="cuda", seed=0):
     """FlashQLA-style inputs, packed varlen (B = 1): L2-normalised q/k, g = logsigmoid(N(0,1))/16
     with every fourth head zero-decay, beta = sigmoid(N(0,1)) fp32, random fp32 h0."""
@@ -124,6 +131,34 @@ def oracle_errors(o, x, lens, l2norm=False, prefix=2048):
             use_qk_l2norm_in_kernel=l2norm)
         errors[n] = rel_l2(o[:, sl], ref_o)
     return errors
+
+
+def ab_row(forward, arms, x, lens, l2norm=False):
+    """One row of a same-process A/B of ``forward()`` (o and the final state) on the :func:`make_inputs` ``x``: for
+    each ``(name, route)`` of the two ``arms`` (``route()`` sends the next calls that way), its CUDA-graph median
+    ``NAME_us`` and its o against the float64 oracle (:func:`oracle_errors`: ``NAME_o_vs_fp64_seqN``); then the
+    second arm's o and final state against the first's (``o_B_vs_A``, ``ht_B_vs_A``) and ``speedup`` (A / B)."""
+    row, outs = {}, {}
+    for name, route in arms:
+        route()
+        outs[name] = [t.clone() for t in forward()]
+        row[name + "_us"] = time_graph(forward) * 1e3
+        for n, err in oracle_errors(outs[name][0], x, lens, l2norm).items():
+            row[f"{name}_o_vs_fp64_seq{n}"] = err
+    (a, _), (b, _) = arms
+    row[f"o_{b}_vs_{a}"] = rel_l2(outs[b][0], outs[a][0])
+    row[f"ht_{b}_vs_{a}"] = rel_l2(outs[b][1], outs[a][1])
+    row["speedup"] = row[a + "_us"] / row[b + "_us"]
+    return row
+
+
+def ab_cells(r, a, b):
+    """The markdown cells of an :func:`ab_row` row ``r`` of arms ``a``, ``b``: the row, both times (us), the speedup,
+    each arm's largest error against float64, b's o and final state against a's."""
+    ea = max(v for k, v in r.items() if k.startswith(a + "_o_vs"))
+    eb = max(v for k, v in r.items() if k.startswith(b + "_o_vs"))
+    return (f"| {r['row']} | {r[a + '_us']:.1f} | {r[b + '_us']:.1f} | {r['speedup']:.3f} | {ea:.1e} / {eb:.1e} | "
+            f"{r[f'o_{b}_vs_{a}']:.1e}, {r[f'ht_{b}_vs_{a}']:.1e} |")
 
 
 def versions():

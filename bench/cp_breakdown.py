@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import make_inputs, parse_seqs, time_graph, write_results  # noqa: E402
+from bench.common import make_inputs, parse_row, time_graph, write_results  # noqa: E402
 from qla_compile.kernels import chunk_gdr_fwd_hopper, chunking  # noqa: E402
 
 
@@ -44,9 +44,7 @@ def per_launch(fn, calls):
 
 
 def breakdown(spec, cp, calls):
-    heads, seqs = spec.split(":")
-    h_qk, h_v = (int(h) for h in heads.split("/"))
-    lens = parse_seqs(seqs)
+    h_qk, h_v, lens = parse_row(spec)
     x = make_inputs(h_qk, h_v, lens)
 
     def forward():

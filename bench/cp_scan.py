@@ -73,16 +73,14 @@ def main():
 
 def forward_ab(rows):
     """The forward with the rule's scan columns against 32 columns, per row."""
-    from bench.common import make_inputs, parse_seqs
+    from bench.common import make_inputs, parse_row
     from qla_compile.kernels import forward as F
 
     rule = F._scan_block_dv
     print("| row | scan columns | forward us, 32 columns | forward us, rule | speedup | o rel L2 |")
     print("|---|---|---|---|---|---|")
     for spec in rows:
-        heads, seqs = spec.split(":")
-        hk, hv = (int(h) for h in heads.split("/"))
-        lens = parse_seqs(seqs)
+        hk, hv, lens = parse_row(spec)
         x = make_inputs(hk, hv, lens)
 
         def forward():

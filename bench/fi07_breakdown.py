@@ -27,16 +27,15 @@ def main():
     from flashinfer.gdn_prefill import chunk_gated_delta_rule
 
     from bench.bench_fwd import fi07_call
-    from bench.common import make_inputs, parse_seqs, rel_l2, time_graph, write_results
+    from bench.common import make_inputs, parse_row, rel_l2, time_graph, write_results
     from bench.cp_breakdown import per_launch
     from qla_compile.kernels import chunk_gdr_fwd_hopper
 
     fi07 = fi07_call(chunk_gated_delta_rule, "auto")
     rows = []
     for spec in args.rows:
-        heads, seqs = spec.split(":")
-        hk, hv = (int(h) for h in heads.split("/"))
-        x = make_inputs(hk, hv, parse_seqs(seqs))
+        hk, hv, lens = parse_row(spec)
+        x = make_inputs(hk, hv, lens)
         fns = {"qla": lambda: chunk_gdr_fwd_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["h0"],
                                                    x["cu"]),
                "flashinfer-0.7": lambda: fi07(x)}

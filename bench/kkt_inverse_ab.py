@@ -30,7 +30,7 @@ def main():
     args = ap.parse_args()
     import torch
 
-    from bench.common import make_inputs, parse_seqs, rel_l2, time_graph, write_results
+    from bench.common import make_inputs, parse_row, rel_l2, time_graph, write_results
     from qla_compile.kernels import forward as F
     from qla_compile.reference import recurrent_gdr_reference
 
@@ -45,9 +45,7 @@ def main():
     package_inverse = F._gate_inverse
     rows = []
     for spec in args.rows:
-        heads, seqs = spec.split(":")
-        hk, hv = (int(h) for h in heads.split("/"))
-        lens = parse_seqs(seqs)
+        hk, hv, lens = parse_row(spec)
         x = make_inputs(hk, hv, lens)
         inverses = {"grouped": route("kkt_inverse")}
         inverses.update({f"tc{n}": route("kkt_inverse_tc", heads=n) for n in (1, 2, 4) if (hv // hk) % n == 0})
