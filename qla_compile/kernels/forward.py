@@ -233,6 +233,32 @@ def _dense_tables(batch, seqlen, device):
     return _held(_DENSE_TABLES, key, capturing)
 
 
+_ORDERS: dict = {}
+
+
+def _onchip_tables(cu_seqlens, lens, batch, seqlen, device):
+    """``(cu_seqlens, order, ht_rows)`` of the on-chip split-state launch (``ht_rows`` = [0]: sequence n's final
+    state into row n). No launch where the host knows the lengths ``lens`` of an int32 or int64 ``cu_seqlens`` on
+    ``device``: the kernel reads that tensor itself and the order (most chunks first, ties in index order) comes
+    from ``lens``, built once per set of lengths (a captured call reuses it, kept for good then). The order only
+    schedules, so a CUDA graph replayed on other lengths written into the same tensor stays correct (its order is
+    then no longer longest first, as its walking choice was made for the lengths at capture). Else
+    :func:`_tables` (``seq_tables``' order: longest first up to 1024 sequences)."""
+    if (cu_seqlens is not None and lens is not None and cu_seqlens.device == device
+            and cu_seqlens.dtype in (torch.int32, torch.int64) and cu_seqlens.is_contiguous()):
+        key = (str(device), tuple(lens))
+        capturing = _capturing(device)
+        if key not in _ORDERS and not capturing:
+            chunks = [-(-n // CHUNK) for n in lens]
+            rows = [0] + sorted(range(len(lens)), key=lambda n: -chunks[n])
+            _cache_put(_ORDERS, key, lasting_copy(torch.tensor(rows, dtype=torch.int32), device))
+        if key in _ORDERS:
+            rows = _held(_ORDERS, key, capturing)
+            return cu_seqlens, rows[1:], rows[:1]
+    cu, _, order, _ = _tables(cu_seqlens, batch, seqlen, device)
+    return cu, order, cu[:1]
+
+
 def _check(q, k, v, g, beta, initial_state, cu_seqlens):
     if not hopper_supported(q, k, v):
         raise ValueError(
@@ -595,7 +621,8 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     ``gb``: fp32 ``[n_slots, H_v, 2, 64]``, row 0 the in-chunk inclusive cumsum of g, row 1 beta; rows past
     a sequence's end have g = beta = 0 (so gamma repeats the last value and T~ has unit rows there).
     Without ``for_backward`` (a forward alone) ``tt`` and ``gb`` come back empty: they are then only scratch,
-    and where the inverse is formed on chip (:func:`_onchip_inverse`) not even that.
+    and where the inverse is formed on chip (:func:`_onchip_inverse`) not even that (no chunk slots: then
+    ``chunk_offsets`` is empty too, and with the sequence lengths known no tables are built, :func:`_onchip_tables`).
     With ``use_qk_l2norm`` the kernels see the normalised q, k (done here with torch ops); ``keys_normalised``: the
     caller normalised k already (as ``dispatch`` does in its input-activation launch), so that, as with
     ``use_qk_l2norm``, a context-parallel gate pass need not read k for the contraction flags.
@@ -629,18 +656,28 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     q3 = q.reshape(n_tok, h_qk, dk).contiguous()
     k3 = k.reshape(n_tok, h_qk, dk).contiguous()
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
-    cu, offsets, order, spans = _tables(cu_seqlens, B, T, q.device)
     cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device, for_backward)
-    onchip = (cp is None and not for_backward and _block_dv(n_seq * h_v, dv) == dv
-              and _onchip_inverse(n_seq * h_v))
-    tt, gb, bad = _chunk_tables(0 if onchip else n_tok, 0 if onchip else n_seq, h_v, q.device)
+    has_h0 = initial_state is not None
+    h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
+    if cp is None and not for_backward and _block_dv(n_seq * h_v, dv) == dv and _onchip_inverse(n_seq * h_v):
+        # no chunk slots, no gate tables: the gates and the inverse formed inside the split-state recurrence
+        lens = _host_lengths(cu_seqlens, B, T, read=False)
+        cu, order, ht_rows = _onchip_tables(cu_seqlens, lens, B, T, q.device)
+        kernel = _split_state(n_seq * h_v, q.device, _walks(lens), dk=dk, dv=dv, dtype=dtype, has_h0=has_h0,
+                              inverse=True, cu_dtype=str(cu.dtype).removeprefix("torch."))
+        o = torch.empty_like(v3)
+        ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
+        kernel(q3, k3, v3, *_token_gates(g, beta, n_tok, h_v), cu, order, ht_rows, h0, float(scale), o, ht)
+        tt, gb, _ = _chunk_tables(0, 0, h_v, q.device)
+        return o.view(B, T, h_v, dv), ht, tt, gb, order.new_empty(0), cache
+    cu, offsets, order, spans = _tables(cu_seqlens, B, T, q.device)
+    tt, gb, bad = _chunk_tables(n_tok, n_seq, h_v, q.device)
     kept = (tt, gb) if for_backward else (tt[:0], gb[:0])
     sparse = cp is not None and _sparse_inverse(cp, h_qk, h_v, dv, for_backward)
     if sparse:  # converted once for the gate tables and the pass over the pieces
         g, beta = _token_gates(g, beta, n_tok, h_v)
-    if not onchip:
-        _gate_inverse(k3, g, beta, spans, (tt, gb, bad), dtype, inverse=not sparse,
-                      unit_keys=use_qk_l2norm or keys_normalised)
+    _gate_inverse(k3, g, beta, spans, (tt, gb, bad), dtype, inverse=not sparse,
+                  unit_keys=use_qk_l2norm or keys_normalised)
     if cp is not None:
         o, ht, filled = _forward_cp(q3, k3, v3, tt, gb, bad, scale, initial_state, dtype, cp, for_backward, cache,
                                     (g, beta, spans) if sparse else None)
@@ -648,18 +685,11 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
             cache = filled
             _record_cache_plan(cache, cp)
         return o.view(B, T, h_v, dv), ht, *kept, offsets, cache
-    has_h0 = initial_state is not None
-    h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
-    if onchip:
-        walk = _walks(_host_lengths(cu_seqlens, B, T, read=False))
-        kernel = _split_state(n_seq * h_v, q.device, walk, dk=dk, dv=dv, dtype=dtype, has_h0=has_h0, inverse=True)
-        kernel(q3, k3, v3, *_token_gates(g, beta, n_tok, h_v), cu, order, cu[:1], h0, float(scale), o, ht)
-    else:
-        # launched as kkt_inverse's last CTAs run
-        kernel = _state_kernel(dk, dv, dtype, has_h0, n_seq * h_v, q.device, pdl=True)
-        kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], h0, float(scale), o, ht)  # cu[:1] = [0]: walk n to row n
+    # launched as kkt_inverse's last CTAs run
+    kernel = _state_kernel(dk, dv, dtype, has_h0, n_seq * h_v, q.device, pdl=True)
+    kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], h0, float(scale), o, ht)  # cu[:1] = [0]: walk n to row n
     return o.view(B, T, h_v, dv), ht, *kept, offsets, cache
 
 

@@ -162,12 +162,15 @@ def _acc(rows, cols, transposed=False):
 
 
 @compiled
-def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool = False, trace: bool = False):
+def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool = False, trace: bool = False,
+                    cu_dtype: str = "int32"):
     """o and the final state; call as ``kernel(q, k, v, tt, gb, cu_seqlens, chunk_offsets, order, ht_rows, h0,
     scale, o, ht)``, the arguments of ``chunk_recurrence.chunk_fwd_ws`` in output mode. With ``inverse`` the kernel
     forms the gate tables and A_g itself, from the fp32 ``g`` and ``beta`` ``[n_tok, H_v]``: call as ``kernel(q, k,
-    v, g, beta, cu_seqlens, order, ht_rows, h0, scale, o, ht)``."""
+    v, g, beta, cu_seqlens, order, ht_rows, h0, scale, o, ht)``, ``cu_seqlens`` of ``cu_dtype`` (int32 or int64: the
+    caller's own, no conversion launch)."""
     assert inverse or not trace, "the timeline (trace) is of the kernel with its inverse on chip"
+    assert inverse or cu_dtype == "int32", "the T~ path reads seq_tables' int32 bounds"
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_seq1 = T.dynamic("n_seq1")
@@ -206,6 +209,10 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
         else:
             emit(2)
 
+    def bound(cu_seqlens, i):
+        """Bound ``i`` of ``cu_seqlens`` as int32."""
+        return cu_seqlens[i] if cu_dtype == "int32" else T.cast(cu_seqlens[i], "int32")
+
     @T.macro
     def load_pair(pv, order, cu_seqlens, p):
         """``pv`` = (v-head, launch rank, sequence, first token, length) of pair ``p`` of the launch order
@@ -213,8 +220,8 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
         pv[0] = T.truncmod(p, h_v)
         pv[1] = T.truncdiv(p, h_v)
         pv[2] = order[pv[1]]
-        pv[3] = cu_seqlens[pv[2]]
-        pv[4] = cu_seqlens[pv[2] + 1] - pv[3]
+        pv[3] = bound(cu_seqlens, pv[2])
+        pv[4] = bound(cu_seqlens, pv[2] + 1) - pv[3]
 
     @T.macro
     def producer_pair(pi, w, cta, n_cta, total, ticket):
@@ -453,6 +460,8 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             total = (n_seq1 - 1) * h_v  # pairs in the launch
             tx = T.get_thread_binding()
             T.call_extern("handle", "qla_pairs_init", tx)
+            if inverse:  # after whatever came before (a fill, seq_tables, a caller's kernel): every thread waits for
+                T.pdl_sync()  # it before reading anything (the tables, the ticket, the inputs)
 
             if tx < 128:  # WG0: the aux warpgroup
                 T.set_max_nreg(_NREG[0], 0)
@@ -574,7 +583,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             v: T.Tensor((n_tok, h_v, dv), dtype),
             g: T.Tensor((n_tok, h_v), acc),
             beta: T.Tensor((n_tok, h_v), acc),
-            cu_seqlens: T.Tensor((n_seq1,), "int32"),
+            cu_seqlens: T.Tensor((n_seq1,), cu_dtype),
             order: T.Tensor((n_seq1 - 1,), "int32"),
             ht_rows: T.Tensor((n_rows,), "int32"),
             h0: T.Tensor((n_h0, h_v, dk, dv), acc),
@@ -597,7 +606,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             v: T.Tensor((n_tok, h_v, dv), dtype),
             g: T.Tensor((n_tok, h_v), acc),
             beta: T.Tensor((n_tok, h_v), acc),
-            cu_seqlens: T.Tensor((n_seq1,), "int32"),
+            cu_seqlens: T.Tensor((n_seq1,), cu_dtype),
             order: T.Tensor((n_seq1 - 1,), "int32"),
             ht_rows: T.Tensor((n_rows,), "int32"),
             h0: T.Tensor((n_h0, h_v, dk, dv), acc),
@@ -637,6 +646,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
 
 def variants():
     """``(kernel name, params)`` of every variant (K = V = 128, bf16/fp16, with and without an initial state, T~ read
-    or the inverse on chip)."""
-    return [("chunk_fwd_split", dict(dk=128, dv=128, dtype=dtype, has_h0=has_h0, inverse=inverse))
-            for dtype in ("bfloat16", "float16") for has_h0 in (True, False) for inverse in (False, True)]
+    or the inverse on chip, the latter over int32 or int64 ``cu_seqlens``)."""
+    return [("chunk_fwd_split", dict(dk=128, dv=128, dtype=dtype, has_h0=has_h0, inverse=inverse, cu_dtype=cu))
+            for dtype in ("bfloat16", "float16") for has_h0 in (True, False)
+            for inverse, cu in ((False, "int32"), (True, "int32"), (True, "int64"))]

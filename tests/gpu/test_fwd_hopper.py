@@ -87,7 +87,7 @@ def test_few_ctas_walk_many_pairs(monkeypatch):
     (a dense batch, and a varlen one of 0 to 210 tokens a sequence, walked here though ``_walks`` would give its
     pairs a CTA each), the input ring running on from one pair into the next and each next pair's h0 prefetched: the
     outputs and final states meet the oracle, and a second call (its ticket counter zeroed again) gives the same
-    bits."""
+    bits, as do two replays of a CUDA graph of the call (the counter zeroed in the graph on every replay)."""
     kernels = _kernels()
     _force(monkeypatch, kernels, "onchip")
     monkeypatch.setattr(kernels, "_sm_count", lambda *_: 5)
@@ -111,8 +111,59 @@ def test_few_ctas_walk_many_pairs(monkeypatch):
         assert rel_err(o, ref_o) <= TOL and rel_err(ht, ref_ht) <= TOL, (cu, rel_err(o, ref_o), rel_err(ht, ref_ht))
         o2, ht2 = kernels.chunk_gdr_fwd_hopper(*args)
         assert torch.equal(o, o2) and torch.equal(ht, ht2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o3, ht3 = kernels.chunk_gdr_fwd_hopper(*args)
+        for _ in range(2):
+            o3.zero_()
+            ht3.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(o, o3) and torch.equal(ht, ht3), cu
     # by the rule: the dense batch walks, the varlen one (sequences shorter than the minimum) does not
-    assert chosen == [(384, True)] * 2 + [(384, False)] * 2, chosen
+    assert chosen == [(384, True)] * 3 + [(384, False)] * 3, chosen
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_onchip_reads_cu_seqlens_itself(cu_dtype, monkeypatch):
+    """Where the host knows the sequence lengths, the on-chip forward builds no tables: the kernel reads the caller's
+    int32 or int64 cu_seqlens and takes its order from the host, so no ``seq_tables`` launch, eager or captured. A
+    graph replayed after other lengths are written into the same cu_seqlens (its order then stale, its pairs
+    walked by five CTAs) meets the oracle of those lengths."""
+    kernels = _kernels()
+    _force(monkeypatch, kernels, "onchip")
+    monkeypatch.setattr(kernels, "_sm_count", lambda *_: 5)
+    monkeypatch.setattr(kernels, "_WALK_MIN_TOKENS", 0)
+    launched, real = [], kernels.seq_tables
+
+    class Spy:
+        def seq_tables(self, **params):
+            launched.append(params)
+            return real.seq_tables(**params)
+
+    monkeypatch.setattr(kernels, "seq_tables", Spy())
+    kw, args = _case(1, _WALK_CU[-1], 4, 8, torch.bfloat16, _WALK_CU, True, seed=3)
+    cu = kw["cu_seqlens"].to(cu_dtype)
+    args = (*args[:7], cu, *args[8:])
+
+    def oracle(cu):
+        return recurrent_gdr_reference(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale=128**-0.5,
+                                       initial_state=kw["initial_state"], output_final_state=True, cu_seqlens=cu)
+
+    kernels._host_lengths(cu, 1, _WALK_CU[-1])  # as a split rule that reads them does
+    o, ht = kernels.chunk_gdr_fwd_hopper(*args)
+    ref_o, ref_ht = oracle(cu)
+    assert rel_err(o, ref_o) <= TOL and rel_err(ht, ref_ht) <= TOL
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, ht_g = kernels.chunk_gdr_fwd_hopper(*args)
+    lens = torch.diff(torch.tensor(_WALK_CU)).flip(0)  # the longest sequences now elsewhere in the order
+    cu.copy_(torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(cu))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_o, ref_ht = oracle(cu)
+    assert rel_err(o_g, ref_o) <= TOL and rel_err(ht_g, ref_ht) <= TOL
+    assert launched == []
 
 
 def test_varlen_tables_once_per_tensor_and_inference_mode(monkeypatch):
