@@ -1,7 +1,9 @@
 """How much of the package forward's CUDA-graph time the per-call varlen chunk tables take (``forward._tables``: one
 ``seq_tables`` launch inside a capture): the forward as ``bench_fwd`` times it against the same with the tables built
 once before capture, per ``H_qk/H_v:seqs`` row (``common``), same process, each against the float64 oracle and the
-two outputs against each other (``common.ab_row``).
+two outputs against each other (``common.ab_row``). Since session 28 the on-chip route builds no tables where the
+host knows the lengths (``forward._onchip_tables``): there both arms are the same call; what is left to measure is
+the rows whose lengths are not known (e.g. 16/64:1024x8) and the T~ path.
 
     python bench/tables_probe.py 16/16:1024x8 4/16:1024x8 16/16:4096x8 --out $OUT
 """
