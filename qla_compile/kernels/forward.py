@@ -109,6 +109,7 @@ def hopper_supported(q, k, v, *args, **kwargs) -> bool:
 # context-parallel plan's), the device tables of ``_tables``; and piece tables per plan.
 _LENGTHS: dict = {}
 _SEQ_TABLES: dict = {}
+_ORDERS: dict = {}  # the on-chip launch order per set of lengths (``_onchip_tables``)
 _PIECE_TABLES: dict = {}
 _CACHE_SIZE = 64
 # cached tables a CUDA graph captured, kept for good: the graph replays from their addresses after the caches above
@@ -231,9 +232,6 @@ def _dense_tables(batch, seqlen, device):
         spans, *rows = lasting_copy(flat, device).split(sizes)
         _cache_put(_DENSE_TABLES, key, (*rows, spans.view(-1, 2)))
     return _held(_DENSE_TABLES, key, capturing)
-
-
-_ORDERS: dict = {}
 
 
 def _onchip_tables(cu_seqlens, lens, batch, seqlen, device):
@@ -658,7 +656,6 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
     v3 = v.reshape(n_tok, h_v, dv).contiguous()
     cp = _cp_plan(context_parallel, cu_seqlens, B, T, h_v, q.device, for_backward)
     has_h0 = initial_state is not None
-    h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
     if cp is None and not for_backward and _block_dv(n_seq * h_v, dv) == dv and _onchip_inverse(n_seq * h_v):
         # no chunk slots, no gate tables: the gates and the inverse formed inside the split-state recurrence
         lens = _host_lengths(cu_seqlens, B, T, read=False)
@@ -667,6 +664,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
                               inverse=True, cu_dtype=str(cu.dtype).removeprefix("torch."))
         o = torch.empty_like(v3)
         ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
+        h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
         kernel(q3, k3, v3, *_token_gates(g, beta, n_tok, h_v), cu, order, ht_rows, h0, float(scale), o, ht)
         tt, gb, _ = _chunk_tables(0, 0, h_v, q.device)
         return o.view(B, T, h_v, dv), ht, tt, gb, order.new_empty(0), cache
@@ -687,6 +685,7 @@ def chunk_gdr_fwd_hopper_aux(q, k, v, g, beta, scale: float, initial_state=None,
         return o.view(B, T, h_v, dv), ht, *kept, offsets, cache
     o = torch.empty_like(v3)
     ht = torch.empty(n_seq, h_v, dk, dv, device=q.device, dtype=torch.float32)
+    h0 = _state_arg(initial_state, h_v, dk, dv, q.device)
     # launched as kkt_inverse's last CTAs run
     kernel = _state_kernel(dk, dv, dtype, has_h0, n_seq * h_v, q.device, pdl=True)
     kernel(q3, k3, v3, tt, gb, cu, offsets, order, cu[:1], h0, float(scale), o, ht)  # cu[:1] = [0]: walk n to row n
