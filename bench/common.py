@@ -133,18 +133,21 @@ def oracle_errors(o, x, lens, l2norm=False, prefix=2048):
     return errors
 
 
-def ab_row(forward, arms, x, lens, l2norm=False):
+def ab_row(forward, target, attr, arms, x, lens, l2norm=False):
     """One row of a same-process A/B of ``forward()`` (o and the final state) on the :func:`make_inputs` ``x``: for
-    each ``(name, route)`` of the two ``arms`` (``route()`` sends the next calls that way), its CUDA-graph median
-    ``NAME_us`` and its o against the float64 oracle (:func:`oracle_errors`: ``NAME_o_vs_fp64_seqN``); then the
-    second arm's o and final state against the first's (``o_B_vs_A``, ``ht_B_vs_A``) and ``speedup`` (A / B)."""
-    row, outs = {}, {}
-    for name, route in arms:
-        route()
-        outs[name] = [t.clone() for t in forward()]
-        row[name + "_us"] = time_graph(forward) * 1e3
-        for n, err in oracle_errors(outs[name][0], x, lens, l2norm).items():
-            row[f"{name}_o_vs_fp64_seq{n}"] = err
+    each ``(name, value)`` of the two ``arms``, with ``target.attr`` set to ``value`` (restored after), its CUDA-graph
+    median ``NAME_us`` and its o against the float64 oracle (:func:`oracle_errors`: ``NAME_o_vs_fp64_seqN``); then
+    the second arm's o and final state against the first's (``o_B_vs_A``, ``ht_B_vs_A``) and ``speedup`` (A / B)."""
+    row, outs, kept = {}, {}, getattr(target, attr)
+    try:
+        for name, value in arms:
+            setattr(target, attr, value)
+            outs[name] = [t.clone() for t in forward()]
+            row[name + "_us"] = time_graph(forward) * 1e3
+            for n, err in oracle_errors(outs[name][0], x, lens, l2norm).items():
+                row[f"{name}_o_vs_fp64_seq{n}"] = err
+    finally:
+        setattr(target, attr, kept)
     (a, _), (b, _) = arms
     row[f"o_{b}_vs_{a}"] = rel_l2(outs[b][0], outs[a][0])
     row[f"ht_{b}_vs_{a}"] = rel_l2(outs[b][1], outs[a][1])

@@ -38,11 +38,8 @@ def main():
             return F.chunk_gdr_fwd_hopper(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"], x["h0"], x["cu"],
                                           use_qk_l2norm=args.l2norm)
 
-        routed = F._onchip_inverse
-        arms = [(name, lambda on=on: setattr(F, "_onchip_inverse", lambda *_: on))
-                for name, on in (("kkt", False), ("onchip", True))]
-        row = dict(row=spec, l2norm=args.l2norm, **ab_row(forward, arms, x, lens, args.l2norm))
-        F._onchip_inverse = routed
+        arms = [("kkt", lambda *_: False), ("onchip", lambda *_: True)]
+        row = dict(row=spec, l2norm=args.l2norm, **ab_row(forward, F, "_onchip_inverse", arms, x, lens, args.l2norm))
         q, k, v = x["q"], x["k"], x["v"]
         group = (*v.shape[:2], hk, hv // hk, v.shape[-1])
         o = torch.empty_like(v)
