@@ -108,6 +108,7 @@ def hopper_supported(q, k, v, *args, **kwargs) -> bool:
 # captured call can reuse them and a model's other GDN layers skip their work: sequence lengths (the
 # context-parallel plan's), the device tables of ``_tables``; and piece tables per plan.
 _LENGTHS: dict = {}
+_COPIES: dict = {}  # cu_seqlens -> its pinned host copy and the event of its landing (``_lengths_landed``)
 _SEQ_TABLES: dict = {}
 _ORDERS: dict = {}  # the on-chip launch order per set of lengths (``_onchip_tables``)
 _PIECE_TABLES: dict = {}
@@ -162,18 +163,47 @@ def _say_lengths_read_per_call():
 def _host_lengths(cu_seqlens, batch, seqlen, read=True):
     """Sequence lengths as a Python list, or None when reading them would break CUDA-graph capture
     (a ``cu_seqlens`` seen before outside capture is answered from the cache) or, with ``read=False``,
-    would synchronise at all."""
+    would synchronise at all: then a CUDA ``cu_seqlens`` is copied to the host without waiting, for a later
+    call (a model's next GDN layer) to find landed (:func:`_lengths_landed`)."""
     if cu_seqlens is None:
         return [seqlen] * batch
     lens = _recall(_LENGTHS, cu_seqlens)
     if lens is not None:
         return lens
-    if not read or _capturing(cu_seqlens.device):
+    if not read:
+        return _lengths_landed(cu_seqlens)
+    if _capturing(cu_seqlens.device):
         return None
     if cu_seqlens.is_cuda and cu_seqlens.is_inference():
         _say_lengths_read_per_call()
-    bounds = cu_seqlens.tolist()
-    return _remember(_LENGTHS, cu_seqlens, [b - a for a, b in zip(bounds, bounds[1:])])
+    return _remember(_LENGTHS, cu_seqlens, _lengths(cu_seqlens.tolist()))
+
+
+def _lengths(bounds):
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def _lengths_landed(cu_seqlens):
+    """The lengths of a CUDA ``cu_seqlens`` from its copy to pinned host memory where an earlier call's has landed
+    (its event done), else None, starting that copy on the current stream (never in a capture, nor for an
+    inference tensor, whose in-place changes no version counter tells)."""
+    if not cu_seqlens.is_cuda or _capturing(cu_seqlens.device):
+        return None
+    copy = _recall(_COPIES, cu_seqlens)
+    if copy is None:
+        if not cu_seqlens.is_inference():
+            with torch.cuda.device(cu_seqlens.device):
+                host = torch.empty(cu_seqlens.shape, dtype=cu_seqlens.dtype, pin_memory=True)
+                host.copy_(cu_seqlens, non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record()
+            _remember(_COPIES, cu_seqlens, (host, landed))
+        return None
+    host, landed = copy
+    if not landed.query():
+        return None
+    del _COPIES[id(cu_seqlens)]
+    return _remember(_LENGTHS, cu_seqlens, _lengths(host.tolist()))
 
 
 def _tables(cu_seqlens, batch, seqlen, device):

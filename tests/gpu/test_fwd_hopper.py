@@ -166,6 +166,44 @@ def test_onchip_reads_cu_seqlens_itself(cu_dtype, monkeypatch):
     assert launched == []
 
 
+def test_lengths_copied_without_waiting(monkeypatch):
+    """A cu_seqlens whose lengths no split rule reads (64 v-heads: no plan of a forward alone splits them) is copied
+    to the host without a synchronisation by the first on-chip forward, which builds its tables on the device; once
+    that copy has landed the next call takes the lengths from it: no ``seq_tables`` launch, its pairs walked. Both
+    meet the oracle and agree bit for bit."""
+    kernels = _kernels()
+    monkeypatch.setattr(kernels, "_WALK_MIN_TOKENS", 0)
+    walks, launched = [], []
+    split, real = kernels._split_state, kernels.seq_tables
+
+    def spy(n_pairs, device, walk=False, **params):
+        walks.append(walk)
+        return split(n_pairs, device, walk, **params)
+
+    class Spy:
+        def seq_tables(self, **params):
+            launched.append(params)
+            return real.seq_tables(**params)
+
+    monkeypatch.setattr(kernels, "_split_state", spy)
+    monkeypatch.setattr(kernels, "seq_tables", Spy())
+    kw, args = _case(1, 2000, 4, 64, torch.bfloat16, [0, 300, 800, 1500, 2000], True, seed=9)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o1, ht1 = kernels.chunk_gdr_fwd_hopper(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    o2, ht2 = kernels.chunk_gdr_fwd_hopper(*args)
+    assert len(launched) == 1 and walks == [False, True], (launched, walks)
+    ref_o, ref_ht = recurrent_gdr_reference(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale=128**-0.5,
+                                            initial_state=kw["initial_state"], output_final_state=True,
+                                            cu_seqlens=kw["cu_seqlens"])
+    assert rel_err(o1, ref_o) <= TOL and rel_err(ht1, ref_ht) <= TOL
+    assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
+
+
 def test_varlen_tables_once_per_tensor_and_inference_mode(monkeypatch):
     """The chunk tables of a cu_seqlens tensor are built once outside CUDA-graph capture (again after an in-place
     change), every time inside it; a cu_seqlens made under torch.inference_mode (no version counter) is neither
