@@ -149,6 +149,32 @@ def input_fingerprint(x):
     return [float(x[name].double().sum()) for name in ("q", "k", "v", "g", "beta", "h0", "cu")]
 
 
+def import_fi07(path):
+    """(FlashInfer 0.7's ``chunk_gated_delta_rule``, its versions) from the unpacked bundle at ``path``, put first on
+    ``sys.path`` (this interpreter then has no FlashInfer 0.6.13)."""
+    info_path = os.path.join(path, "fi07_bundle.json")
+    info = {}
+    if os.path.exists(info_path):
+        with open(info_path) as f:
+            info = json.load(f)
+    dsl = os.path.join(path, info.get("dsl_path", "nvidia_cutlass_dsl/dsl_packages"))
+    sys.path[:0] = [path] + ([dsl] if os.path.isdir(dsl) else [])
+    import flashinfer
+    from flashinfer.gdn_prefill import chunk_gated_delta_rule
+
+    where = os.path.realpath(flashinfer.__file__)
+    if not where.startswith(os.path.realpath(path) + os.sep):
+        raise ImportError(f"flashinfer imported from {where}, not from {path}")
+    vers = {"flashinfer": flashinfer.__version__}
+    try:
+        from importlib.metadata import version
+
+        vers["nvidia-cutlass-dsl"] = version("nvidia-cutlass-dsl-libs-base")
+    except Exception:  # noqa: BLE001 - the version is informative only
+        vers["nvidia-cutlass-dsl"] = info.get("nvidia-cutlass-dsl", "unknown")
+    return chunk_gated_delta_rule, vers
+
+
 def fi07_worker(path, cp_mode):
     """The child process of ``Fi07Peer``: FlashInfer 0.7 from ``path`` first on sys.path, qla beside it."""
     from bench.peer_process import serve
@@ -157,29 +183,10 @@ def fi07_worker(path, cp_mode):
 
     def setup():
         t = time.time()
-        info_path = os.path.join(path, "fi07_bundle.json")
-        info = {}
-        if os.path.exists(info_path):
-            with open(info_path) as f:
-                info = json.load(f)
-        dsl = os.path.join(path, info.get("dsl_path", "nvidia_cutlass_dsl/dsl_packages"))
-        sys.path[:0] = [path] + ([dsl] if os.path.isdir(dsl) else [])
-        import flashinfer
-        from flashinfer.gdn_prefill import chunk_gated_delta_rule
-
-        where = os.path.realpath(flashinfer.__file__)
-        if not where.startswith(os.path.realpath(path) + os.sep):
-            raise ImportError(f"flashinfer imported from {where}, not from {path}")
         use_cp = {"auto": "auto", "on": True, "off": False}[cp_mode]
-        state["fi"] = fi07_call(chunk_gated_delta_rule, use_cp)
+        fi, vers = import_fi07(path)
+        state["fi"] = fi07_call(fi, use_cp)
         state["cp_rule"] = cp_rule(use_cp)
-        vers = {"flashinfer": flashinfer.__version__}
-        try:
-            from importlib.metadata import version
-
-            vers["nvidia-cutlass-dsl"] = version("nvidia-cutlass-dsl-libs-base")
-        except Exception:  # noqa: BLE001 - the version is informative only
-            vers["nvidia-cutlass-dsl"] = info.get("nvidia-cutlass-dsl", "unknown")
         try:
             from qla_compile.kernels import chunk_gdr_fwd_hopper
 

@@ -46,17 +46,7 @@ def make_inputs(h_qk, h_v, lens, dtype=torch.bfloat16, dk=128, dv=128, device="c
 
 def time_graph(fn, reps=20, rounds=5):
     """Median milliseconds of one call of ``fn`` replayed from a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+    graph = capture_graph(fn, reps)
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -68,6 +58,22 @@ def time_graph(fn, reps=20, rounds=5):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / reps)
     return statistics.median(times)
+
+
+def capture_graph(fn, reps):
+    """A CUDA graph of ``reps`` calls of ``fn`` (after one eager call and one on a side stream)."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return graph
 
 
 def host_median_us(step, calls, rounds=5):
