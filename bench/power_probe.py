@@ -4,7 +4,8 @@ Per row and implementation (qla and one peer: FlashInfer 0.7 from ``--fi07-path`
 imports), in the order qla, peer, peer, qla (the GPU warms as it goes): a CUDA graph of ``--reps`` forwards; after an
 idle pause its first replay (``cool_ms``), then replays back to back for ``--seconds`` while ``nvidia-smi`` samples the
 SM clock, the power draw and the clock-event reasons every 50 ms (``hot_ms``, medians over that span; ``mj`` = power x
-hot_ms, the energy of one forward). Each output is checked against the float64 oracle first.
+hot_ms, the energy of one forward; ``reasons``: the ``clocks_event_reasons.active`` bitmasks seen, 0x4 the software power
+cap, 0x20 / 0x40 thermal slowdown, 0x1 idle). Each output is checked against the float64 oracle first.
 
     python bench/power_probe.py 16/64:8192x4 32/32:8192x4 16/16:1024x8 --fi07-path /tmp/fi07 --out /tmp/o/power
 """
