@@ -3,6 +3,8 @@
 # process and kernel cache, base (the checkout) timed first and again last, then bench/ab_compare.py's table.
 # Carry [".devdeps", ".carry"]; trees from bench/patch_trees.sh. Logs and JSON to $OUT/ab_NAME.
 #   TREES=.carry/probes.tar.xz UNCHECKED=nokk,noinv bash bench/device/ab_trees.sh 32/32:4096x8 16/64:512x64
+# QLA_BENCH_HOT_S=1 times every arm after a second of back-to-back replays (bench/common.time_graph): the clocks a
+# sustained load runs at, where a row is power-capped (bench/power_probe.py tells).
 set -uo pipefail
 mkdir -p /tmp/site && tar xJf .devdeps/site.tar.xz -C /tmp/site
 export PYTHONUNBUFFERED=1
