@@ -4,6 +4,7 @@ warpgroup's chunk loop issues, ours next to FlashInfer 0.7's).
     python bench/sass_loops.py ours                           # the split-state recurrence's variants (prebuilt)
     python bench/sass_loops.py fi07 --site DIR                # FlashInfer 0.7's SM90 prefill, compiled here
     python bench/sass_loops.py file K.cubin [...]             # any cubins
+    python bench/sass_loops.py opdiff TREE_A TREE_B            # per loop, the opcodes whose counts differ
 
 ``ours`` takes the shipped binaries of ``split_state_recurrence.chunk_fwd_split`` (bf16, h0; T~ and on-chip A_g,
 free and ordered issue where the package has them). ``fi07`` compiles FlashInfer 0.7's CuTe-DSL kernel for sm_90a
@@ -19,6 +20,7 @@ from a loop's head to its back edge: our loop bodies hold an arm per ring stage,
 import argparse
 import collections
 import heapq
+import json
 import os
 import re
 import shutil
@@ -112,22 +114,42 @@ def report(name, cubin, nvdisasm, min_len):
               + " | ".join(str(c[k]) for k in cols) + " |")
 
 
-def ours():
-    """``(label, cubin)`` of the shipped split-state variants (bf16 with h0), unpacked into a temporary folder."""
-    sys.path.insert(0, ROOT)
-    from qla_compile.kernels import _prebuilt
-
+def ours(root=ROOT):
+    """``(label, cubin)`` of the split-state variants (bf16 with h0, no trace) that the tree at ``root`` ships,
+    unpacked into a temporary folder."""
+    prebuilt = os.path.join(root, "qla_compile", "kernels", "prebuilt")
+    with open(os.path.join(prebuilt, "manifest.json")) as f:
+        variants = json.load(f)["variants"]
     tmp = tempfile.mkdtemp()
-    archive = tarfile.open(os.path.join(_prebuilt.DIR, "kernels.tar.xz"))
-    for v in _prebuilt.manifest()["variants"]:
+    archive = tarfile.open(os.path.join(prebuilt, "kernels.tar.xz"))
+    for v in variants:
         p = v["params"]
-        if v["kernel"] == "chunk_fwd_split" and p["dtype"] == "bfloat16" and p["has_h0"]:
+        if v["kernel"] == "chunk_fwd_split" and p["dtype"] == "bfloat16" and p["has_h0"] and not p.get("trace"):
             data = archive.extractfile(f"{v['key']}/executable.so").read()
             path = os.path.join(tmp, v["key"][:12] + ".cubin")
             with open(path, "wb") as f:
                 f.write(data[data.find(b"\x7fELF", 1):])  # the cubin is the second ELF image in the module
-            label = ", ".join(f"{k}={p[k]}" for k in ("inverse", "pingpong") if k in p)
+            label = ", ".join(f"{k}={p[k]}" for k in ("inverse", "cu_dtype") if k in p)
             yield f"chunk_fwd_split({label})", path
+
+
+def opdiff(tree_a, tree_b, nvdisasm, min_len):
+    """Per variant both trees ship and per loop (paired in address order), the opcodes whose counts differ: where a
+    source change moved the compiled loops (e.g. work ptxas no longer keeps in uniform registers)."""
+    b_cubins = dict(ours(tree_b))
+    for label, a_cubin in ours(tree_a):
+        if label not in b_cubins:
+            continue
+        bodies = []
+        for cubin in (a_cubin, b_cubins[label]):
+            code, labels = disassemble(cubin, nvdisasm)
+            bodies.append([collections.Counter(t.split()[0] for _, t, _ in code[s:e + 1])
+                           for s, e in loops(code, labels, min_len)])
+        print(f"\n{label}: loops {len(bodies[0])} / {len(bodies[1])}")
+        for n, (a, b) in enumerate(zip(*bodies)):
+            moved = sorted((b[op] - a[op], op) for op in set(a) | set(b) if a[op] != b[op])
+            print(f"  loop {n}: {sum(a.values())} -> {sum(b.values())} instructions; "
+                  + (", ".join(f"{op} {d:+d}" for d, op in moved) or "the same opcodes"))
 
 
 def fi07(site):
@@ -171,12 +193,14 @@ def fi07(site):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["ours", "fi07", "file"])
+    ap.add_argument("what", choices=["ours", "fi07", "file", "opdiff"])
     ap.add_argument("cubins", nargs="*")
     ap.add_argument("--site", help="fi07: the folder holding flashinfer and nvidia_cutlass_dsl")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm") or "nvdisasm")
     ap.add_argument("--min", type=int, default=150, help="shortest loop body reported (instructions)")
     a = ap.parse_args(argv)
+    if a.what == "opdiff":
+        return opdiff(*a.cubins, a.nvdisasm, a.min)
     if a.what == "ours":
         items = list(ours())
     elif a.what == "fi07":
