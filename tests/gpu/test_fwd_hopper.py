@@ -124,6 +124,19 @@ def test_few_ctas_walk_many_pairs(monkeypatch):
     assert chosen == [(384, True)] * 3 + [(384, False)] * 3, chosen
 
 
+def _seq_tables_builds(monkeypatch, kernels, record=lambda params: params):
+    """The list that every ``seq_tables`` build of the forward appends ``record(its params)`` to from now on."""
+    builds, real = [], kernels.seq_tables
+
+    class Spy:
+        def seq_tables(self, **params):
+            builds.append(record(params))
+            return real.seq_tables(**params)
+
+    monkeypatch.setattr(kernels, "seq_tables", Spy())
+    return builds
+
+
 @pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
 def test_onchip_reads_cu_seqlens_itself(cu_dtype, monkeypatch):
     """Where the host knows the sequence lengths, the on-chip forward builds no tables: the kernel reads the caller's
@@ -134,14 +147,7 @@ def test_onchip_reads_cu_seqlens_itself(cu_dtype, monkeypatch):
     _force(monkeypatch, kernels, "onchip")
     monkeypatch.setattr(kernels, "_sm_count", lambda *_: 5)
     monkeypatch.setattr(kernels, "_WALK_MIN_TOKENS", 0)
-    launched, real = [], kernels.seq_tables
-
-    class Spy:
-        def seq_tables(self, **params):
-            launched.append(params)
-            return real.seq_tables(**params)
-
-    monkeypatch.setattr(kernels, "seq_tables", Spy())
+    launched = _seq_tables_builds(monkeypatch, kernels)
     kw, args = _case(1, _WALK_CU[-1], 4, 8, torch.bfloat16, _WALK_CU, True, seed=3)
     cu = kw["cu_seqlens"].to(cu_dtype)
     args = (*args[:7], cu, *args[8:])
@@ -173,20 +179,14 @@ def test_lengths_copied_without_waiting(monkeypatch):
     meet the oracle and agree bit for bit."""
     kernels = _kernels()
     monkeypatch.setattr(kernels, "_WALK_MIN_TOKENS", 0)
-    walks, launched = [], []
-    split, real = kernels._split_state, kernels.seq_tables
+    walks, split = [], kernels._split_state
 
     def spy(n_pairs, device, walk=False, **params):
         walks.append(walk)
         return split(n_pairs, device, walk, **params)
 
-    class Spy:
-        def seq_tables(self, **params):
-            launched.append(params)
-            return real.seq_tables(**params)
-
     monkeypatch.setattr(kernels, "_split_state", spy)
-    monkeypatch.setattr(kernels, "seq_tables", Spy())
+    launched = _seq_tables_builds(monkeypatch, kernels)
     kw, args = _case(1, 2000, 4, 64, torch.bfloat16, [0, 300, 800, 1500, 2000], True, seed=9)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -209,15 +209,7 @@ def test_varlen_tables_once_per_tensor_and_inference_mode(monkeypatch):
     change), every time inside it; a cu_seqlens made under torch.inference_mode (no version counter) is neither
     cached nor an error. Every run meets the oracle."""
     kernels = _kernels()
-    built = []
-    real = kernels.seq_tables
-
-    class Spy:
-        def seq_tables(self, **params):
-            built.append(torch.cuda.is_current_stream_capturing())
-            return real.seq_tables(**params)
-
-    monkeypatch.setattr(kernels, "seq_tables", Spy())
+    built = _seq_tables_builds(monkeypatch, kernels, lambda _: torch.cuda.is_current_stream_capturing())
     B, T, H, HV, dtype, cu, h0, l2 = CASES["varlen-1tok-empty-h0"]
     kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=11)
     ref_o, _ = recurrent_gdr_reference(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale=128**-0.5,
