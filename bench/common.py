@@ -60,15 +60,17 @@ def time_graph(fn, reps=20, rounds=5):
     while time.time() < hot_until:
         graph.replay()
         torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
+    return statistics.median([replay_ms(graph, reps) for _ in range(rounds)])
+
+
+def replay_ms(graph, reps):
+    """Milliseconds of one of the ``reps`` calls a CUDA graph holds, from one replay timed by events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def capture_graph(fn, reps):

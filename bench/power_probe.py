@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.bench_fwd import FI07, fi07_call, import_fi07, peers  # noqa: E402
-from bench.common import capture_graph, make_inputs, oracle_errors, parse_row, versions  # noqa: E402
+from bench.common import capture_graph, make_inputs, oracle_errors, parse_row, replay_ms, versions  # noqa: E402
 
 FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
@@ -50,15 +50,6 @@ class Sampler:
 
     def close(self):
         self.proc.terminate()
-
-
-def replay_ms(graph, reps):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def probe(name, fn, reps, seconds, sampler, pause):
