@@ -180,6 +180,7 @@ def _host_lengths(cu_seqlens, batch, seqlen, read=True):
 
 
 def _lengths(bounds):
+    """Sequence lengths from their cumulative bounds (a host list)."""
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
@@ -367,7 +368,7 @@ def _piece_tables(lens, chunks, device):
         rows = [cu, offs, order, seq_pieces, [int(x) for x in last], only, first, ht_row, dh0_row]
         flat = lasting_copy(torch.tensor([x for row in rows for x in row], dtype=torch.int32), device)
         _cache_put(_PIECE_TABLES, key, _Pieces(*flat.split([len(row) for row in rows]), chunks,
-                                               _walks([b - a for a, b in zip(cu, cu[1:])])))
+                                               _walks(_lengths(cu))))
     return _held(_PIECE_TABLES, key, capturing)
 
 
