@@ -8,7 +8,8 @@ binaries' sources hash covers (``_prebuilt.SOURCES``).
 import math
 
 CHUNK = 64  # tokens per chunk
-MIN_PIECE_CHUNKS = 8  # the shortest context-parallel piece, in chunks
+MIN_PIECE_CHUNKS = 4  # the shortest context-parallel piece of a forward alone, in chunks
+MIN_BACKWARD_PIECE_CHUNKS = 8  # the shortest of a plan that a backward reuses
 MAX_HEADS = 80  # no plan of a forward alone splits more v-heads (Be * H_v, :func:`piece_chunks`)
 MAX_HEADS_BACKWARD = 60  # nor one that a backward reuses
 # (bound on Be * H_v, fewest chunks of the longest sequence) under which a forward alone splits: the first three
@@ -22,16 +23,18 @@ def piece_chunks(lens, h_v: int, n_sm: int, backward: bool = False):
     """Piece length in chunks when CP pays off for these sequence lengths, else None; ``backward``: for a
     forward whose plan its backward reuses (the rule of the pair), else for a forward alone.
 
-    With n_c chunks per sequence and Be = sum(n_c) / max(n_c) the effective number of sequences, the piece
-    length is L = 2^round(log2(4.5 sqrt(H_v sum(n_c) / SMs))), at least 8 chunks (the shape of FlashQLA's
-    rule, balancing the pieces' walk against the warm-up and scan). A forward alone splits when Be * H_v <= 16
-    with a sequence of at least 32 chunks, Be * H_v <= 32 with one of at least 64, or Be * H_v <= 56 with one of
-    at least 128 (refitted on the H200 to the forward of 2026-12-04, ``bench/results/2026-12-04-fwd-cp-rule.md``);
-    and, into pieces of about a quarter of the longest sequence, when Be * H_v <= :data:`MAX_HEADS` with one of at
-    least 448 chunks (1.10-1.12x at 64 v-heads on the H200 with the gate-free transitions,
-    ``bench/results/2026-12-05-fwd-per-head-inverse.md``). With its backward, when the longest sequence has at
-    least 2 L chunks and Be * H_v <= 24, or Be * H_v <= :data:`MAX_HEADS_BACKWARD` with at least 64 (fitted to
-    forward + backward times of FlashQLA's 32-row backward set, ``bench/NOTES-bwd.md``, sessions 6 and 7).
+    With n_c chunks per sequence, Be = sum(n_c) / max(n_c) the effective number of sequences and
+    x = H_v sum(n_c) / SMs, a forward alone cuts pieces of L = 2^round(log2(2.48 x^0.72)) chunks, at least 4
+    (refitted on an H100 to the forward of 2026-12-07: 4 chunks at 8 v-heads over 32, 64 from x = 62 on,
+    ``bench/results/2026-12-07-fwd-cp-rule-h100.md``), and splits when Be * H_v <= 16 with a sequence of at
+    least 32 chunks, Be * H_v <= 32 with one of at least 64, or Be * H_v <= 56 with one of at least 128
+    (``bench/results/2026-12-04-fwd-cp-rule.md``); and, into pieces of about a quarter of the longest sequence,
+    when Be * H_v <= :data:`MAX_HEADS` with one of at least 448 chunks (1.10-1.12x at 64 v-heads on the H200
+    with the gate-free transitions, ``bench/results/2026-12-05-fwd-per-head-inverse.md``). With its backward,
+    L = 2^round(log2(4.5 sqrt(x))), at least 8 chunks (the shape of FlashQLA's rule, balancing the pieces' walk
+    against the warm-up and scan), when the longest sequence has at least 2 L chunks and Be * H_v <= 24, or
+    Be * H_v <= :data:`MAX_HEADS_BACKWARD` with at least 64 (fitted to forward + backward times of FlashQLA's
+    32-row backward set, ``bench/NOTES-bwd.md``, sessions 6 and 7).
     Beyond these bounds the transitions of non-decaying heads cost more than the split saves.
     """
     n_c = [-(-n // CHUNK) for n in lens]
@@ -39,10 +42,12 @@ def piece_chunks(lens, h_v: int, n_sm: int, backward: bool = False):
     if longest == 0:
         return None
     be_h = total / longest * h_v
-    chunks = max(MIN_PIECE_CHUNKS, 2 ** round(math.log2(4.5 * math.sqrt(h_v * total / n_sm))))
+    x = h_v * total / n_sm
     if backward:
+        chunks = max(MIN_BACKWARD_PIECE_CHUNKS, 2 ** round(math.log2(4.5 * math.sqrt(x))))
         on = longest >= 2 * chunks and any(be_h <= b and longest >= n for b, n in _BACKWARD_SPLITS)
         return chunks if on else None
+    chunks = max(MIN_PIECE_CHUNKS, 2 ** round(math.log2(2.48 * x ** 0.72)))
     if any(be_h <= b and longest >= n for b, n in _FORWARD_SPLITS[:-1]):
         return chunks
     b, n = _FORWARD_SPLITS[-1]
