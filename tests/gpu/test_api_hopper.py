@@ -148,11 +148,12 @@ def test_compiled_training_saves_aux():
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("seqs", [[1000, 3000], [256] * 128], ids=["T~ path", "inverse on chip"])
+@pytest.mark.parametrize("seqs", [[300, 900], [256] * 128], ids=["T~ path", "inverse on chip"])
 def test_forward_alone_keeps_no_aux(seqs):
     """A forward no backward follows returns no T~ or [gamma; beta] (the op's real outputs and its fake's agree),
     allocates none where it forms the inverse on chip (128 sequences x 1 v-head: the route), and its output meets
-    the float64 oracle as does the one of a forward that keeps them (bitwise the same where both take one route); a
+    the float64 oracle as does the one of a forward that keeps them (bitwise the same where both take one route:
+    sequences too short for either split rule, whose piece lengths differ); a
     backward given that empty aux recomputes them (bitwise the gradients of the Hopper backward without aux)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -175,12 +176,12 @@ def test_forward_alone_keeps_no_aux(seqs):
     peak = torch.cuda.max_memory_allocated() - base
     kept = ops.chunk_gdr_fwd(*args, True)
     assert alone[2].numel() == alone[3].numel() == 0 and kept[2].numel() > 0
-    if len(seqs) >= 128:  # the forward alone inverts on chip, the one that keeps T~ reads it: both meet the oracle
-        ref = _leaves(kw, torch.float64)
-        ro, rht = recurrent_gdr_reference(**{n: ref[n] for n in ("q", "k", "v", "g", "beta")},
-                                          cu_seqlens=kw["cu_seqlens"], output_final_state=True)
-        for out in (alone, kept):
-            assert rel_err(out[0], ro) < 5e-3 and rel_err(out[1], rht) < 5e-3
+    ref = _leaves(kw, torch.float64)
+    ro, rht = recurrent_gdr_reference(**{n: ref[n] for n in ("q", "k", "v", "g", "beta")},
+                                      cu_seqlens=kw["cu_seqlens"], output_final_state=True)
+    for out in (alone, kept):
+        assert rel_err(out[0], ro) < 5e-3 and rel_err(out[1], rht) < 5e-3
+    if len(seqs) >= 128:  # the forward alone inverts on chip, the one that keeps T~ reads it
         # the peak: o, the final state, the fp32 gates and small tables, no T~-sized buffer
         tt_bytes = kept[2].numel() * 2
         needed = alone[0].numel() * 2 + alone[1].numel() * 4 + kw["g"].numel() * 8
