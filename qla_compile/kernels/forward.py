@@ -384,7 +384,7 @@ def cp_cache_numel(n_tok, n_seq, h_v: int, dk: int, dv: int):
     where no such plan splits (more than ``chunking.MAX_HEADS_BACKWARD`` v-heads). ``n_tok`` and ``n_seq`` may be
     SymInts.
 
-    A plan has one piece per sequence plus at most ``sum(chunks) // 8`` more (pieces of such plans are at least 8 chunks)
+    A plan has one piece per sequence plus at most ``sum(chunks) // 8`` more (its pieces are at least 8 chunks)
     and at most ``_CP_MAX_EXTRA_PIECE_HEADS // h_v`` more (``_cp_plan``); each piece holds K x V + K x K
     fp32 values and one int32 per v-head."""
     if h_v > chunking.MAX_HEADS_BACKWARD:

@@ -152,9 +152,9 @@ def test_compiled_training_saves_aux():
 def test_forward_alone_keeps_no_aux(seqs):
     """A forward no backward follows returns no T~ or [gamma; beta] (the op's real outputs and its fake's agree),
     allocates none where it forms the inverse on chip (128 sequences x 1 v-head: the route), and its output meets
-    the float64 oracle as does the one of a forward that keeps them (bitwise the same where both take one route:
-    sequences too short for either split rule, whose piece lengths differ); a
-    backward given that empty aux recomputes them (bitwise the gradients of the Hopper backward without aux)."""
+    the float64 oracle as does the one of a forward that keeps them (bitwise the same where both take one route and
+    no split: the two split rules cut different pieces); a backward given that empty aux recomputes them (bitwise
+    the gradients of the Hopper backward without aux)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from qla_compile import ops
