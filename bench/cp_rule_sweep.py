@@ -3,9 +3,10 @@
 For each ``H_qk/H_v:seqs`` item (bench_fwd's notation), CUDA-graph medians (ms) of ``chunk_gdr_fwd_hopper`` with
 ``context_parallel`` = None (the rule's choice), False (unsplit) and each given piece length in 64-token chunks
 (one no longer than the longest sequence is skipped), and the relative L2 of each split output against the unsplit
-one where it exceeds 2e-3 (both carry their own bf16 rounding):
+one where it exceeds 2e-3 (both carry their own bf16 rounding); one table per ``--sub`` value, the length of an
+exact transition's sub-walks in chunks, forced wherever a piece is longer (0: none; default: ``chunking.sub_walks``):
 
-    python bench/cp_rule_sweep.py 2/8:1x2048 8/32:1x4096 --lengths 4,8,16,32,64
+    python bench/cp_rule_sweep.py 2/8:1x2048 8/32:1x4096 --lengths 4,8,16,32,64 --sub 0,16
 """
 
 import argparse
@@ -20,6 +21,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("shapes", nargs="+", help="H_qk/H_v:seqs items, e.g. 2/8:1x2048")
     ap.add_argument("--lengths", default="4,8,16,32,64", help="piece lengths in chunks (comma list; empty: none)")
+    ap.add_argument("--sub", default="", help="sub-walk lengths in chunks (comma list, 0: none; default: the rule's)")
     args = ap.parse_args()
     import torch
 
@@ -27,9 +29,21 @@ def main():
 
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count  # what the forward's rule is given
     settings = [None, False] + [int(s) for s in args.lengths.split(",") if s]
+    rule = chunking.sub_walks
+    for sub in [int(s) for s in args.sub.split(",") if s] or [None]:
+        # forced wherever the pieces are longer, whatever the rule says
+        chunking.sub_walks = rule if sub is None else lambda chunks, *_, sub=sub: max(1, chunks // sub) if sub else 1
+        print(f"\nsub-walks: {'the rule' if sub is None else sub or 'none'}\n")
+        table(args.shapes, settings, n_sm)
+
+
+def table(shapes, settings, n_sm):
+    """One markdown table: a row per shape, a column per setting."""
+    from qla_compile.kernels import chunk_gdr_fwd_hopper, chunking
+
     print("| shape | rule L | " + " | ".join(str(s) for s in settings) + " | rule / unsplit |")
     print("|---" * (len(settings) + 3) + "|")
-    for item in args.shapes:
+    for item in shapes:
         heads, seqs = item.split(":")
         hk, hv = (int(s) for s in heads.split("/"))
         lens = parse_seqs(seqs)

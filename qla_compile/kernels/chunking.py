@@ -10,6 +10,9 @@ import math
 CHUNK = 64  # tokens per chunk
 MIN_PIECE_CHUNKS = 4  # the shortest context-parallel piece of a forward alone, in chunks
 MIN_BACKWARD_PIECE_CHUNKS = 8  # the shortest of a plan that a backward reuses
+SUB_WALK_CHUNKS = 16  # a forward alone walks an exact piece's transition in sub-walks of this many chunks ...
+SUB_WALK_MIN_PIECE = 64  # ... where its pieces have at least this many chunks ...
+SUB_WALK_MAX_WALKS_PER_SM = 0.875  # ... and its transitions at most this many (piece, v-head) walks an SM
 MAX_HEADS = 80  # no plan of a forward alone splits more v-heads (Be * H_v, :func:`piece_chunks`)
 MAX_HEADS_BACKWARD = 60  # nor one that a backward reuses
 # (bound on Be * H_v, fewest chunks of the longest sequence) under which a forward alone splits: the first three
@@ -52,6 +55,18 @@ def piece_chunks(lens, h_v: int, n_sm: int, backward: bool = False):
         return chunks
     b, n = _FORWARD_SPLITS[-1]
     return 2 ** round(math.log2(longest / 4)) if be_h <= b and longest >= n else None
+
+
+def sub_walks(chunks: int, walks: int, n_sm: int) -> int:
+    """Sub-walks of each exact transition of a forward alone's plan (``context_parallel``): pieces of ``chunks``
+    chunks, ``walks`` (piece, v-head) pairs that pass their state on. An exact piece's walk is a chain of its chunks,
+    so where the walks are long and few for the SMs they run in :data:`SUB_WALK_CHUNKS`-chunk sub-walks side by side,
+    at the price of composing their maps (H100, ``bench/results/2026-12-07-fwd-cp-sub-walks-h100.md``: 1.04-1.05x at
+    16 v-heads over 1x32768 and 28672+4096 in pieces of 64; slower at 32 and 64 v-heads, where the walks fill the
+    SMs, and over pieces of 32)."""
+    if chunks < SUB_WALK_MIN_PIECE or walks > SUB_WALK_MAX_WALKS_PER_SM * n_sm:
+        return 1
+    return max(1, chunks // SUB_WALK_CHUNKS)
 
 
 def may_split(n_tok: int, h_v: int) -> bool:

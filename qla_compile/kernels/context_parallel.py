@@ -9,14 +9,17 @@ and gets every piece's initial state without walking the sequence:
    piece's last chunks, ``M`` (whose norm is at most that decay when ``beta >= 0`` and ``beta |k|^2 <= 2``)
    is dropped and ``E`` is computed from a zero state over those last chunks only. Other heads run the
    whole piece and also form ``M`` (exact).
-2. :func:`transitions` computes ``E`` (and ``M`` where needed) for every piece, by the gate-free chunk map.
+2. :func:`transitions` computes ``E`` (and ``M`` where needed) for every piece, by the gate-free chunk map. An exact
+   piece's walk is a chain of its chunks; a forward alone cuts it into sub-walks run side by side, whose maps
+   :func:`compose` folds into the piece's.
 3. :func:`scan` chains the pieces of each sequence: ``h0[p + 1] = M[p] h0[p] + E[p]``.
 4. The ordinary fused kernel runs over all pieces with these initial states.
 
 Dropping ``M`` changes the result by less than e^-10 (4.5e-5) relative; the ``M`` path is exact up to
-rounding (``M S`` is a TF32 tensor-core product). Where to cut is host code (``chunking.piece_chunks``,
-``chunking.pieces``) and needs the sequence lengths on the host; ``forward`` caches them and the piece tables, so
-that a CUDA-graph capture can reuse the plan of an earlier uncaptured call.
+rounding (``M S`` is a TF32 tensor-core product, as are the compositions). Where to cut is host code
+(``chunking.piece_chunks``, ``chunking.sub_walks``, ``chunking.pieces``) and needs the sequence lengths on the host;
+``forward`` caches them and the piece tables, so that a CUDA-graph capture can reuse the plan of an earlier
+uncaptured call.
 """
 
 import tilelang.language as T
@@ -127,6 +130,19 @@ def warmup_plan(*, need: bool = False):
     return kernel
 
 
+@T.macro
+def _times_m(m_s, st_s, e, s_f):
+    """S <- M S + E (a TF32 product), M in ``m_s`` (K-major), S^T staged in ``st_s``; E a region of a global tensor or
+    a shared tile, or None for S <- M S."""
+    for a, b in T.Parallel(*s_f.shape):
+        st_s[b, a] = s_f[a, b]
+    if e is None:
+        T.gemm(m_s, st_s, s_f, transpose_B=True, clear_accum=True)
+    else:
+        T.copy(e, s_f)
+        T.gemm(m_s, st_s, s_f, transpose_B=True)
+
+
 @compiled
 def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV, reverse: bool = False):
     """Initial state of every piece, ``h0p[p + 1] = M[p] h0p[p] + E[p]`` within each sequence.
@@ -150,14 +166,6 @@ def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV, reve
     BS, acc = block_dv, "float32"
 
     @T.macro
-    def times_m(m_s, st_s, e, s_f):
-        """S <- M S + E, M in ``m_s`` (K-major), E a region of ``ht`` or a shared tile."""
-        for a, b in T.Parallel(dk, BS):
-            st_s[b, a] = s_f[a, b]
-        T.copy(e, s_f)
-        T.gemm(m_s, st_s, s_f, transpose_B=True)
-
-    @T.macro
     def walk_back(ht, mt, skip, h0p, hv, c0, p0, p1, s_f):
         """The reverse walk, from the last piece: each M^T is read (transposed into shared memory) at its own step."""
         m_s = T.alloc_shared((dk, dk), acc)
@@ -169,7 +177,7 @@ def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV, reve
                 if skip[p, hv] < 0:
                     for a, b in T.Parallel(dk, dk):  # M^T, K-major
                         m_s[b, a] = mt[p, hv, a, b]
-                    times_m(m_s, st_s, ht[p, hv, :, c0 : c0 + BS], s_f)
+                    _times_m(m_s, st_s, ht[p, hv, :, c0 : c0 + BS], s_f)
                 else:
                     T.copy(ht[p, hv, :, c0 : c0 + BS], s_f)
 
@@ -209,12 +217,12 @@ def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV, reve
             T.barrier_wait(ready[st], (j // 2) % 2)
             if st == 0:
                 if sk < 0:
-                    times_m(m_s[0], st_s, e_s[0], s_f)
+                    _times_m(m_s[0], st_s, e_s[0], s_f)
                 else:
                     T.copy(e_s[0], s_f)
             else:
                 if sk < 0:
-                    times_m(m_s[1], st_s, e_s[1], s_f)
+                    _times_m(m_s[1], st_s, e_s[1], s_f)
                 else:
                     T.copy(e_s[1], s_f)
             sk = sk_next
@@ -246,6 +254,53 @@ def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV, reve
     return kernel
 
 
+@compiled
+def compose(*, dk: int, dv: int):
+    """Each exact piece's map from its sub-walks' (:func:`transitions` with ``n_sub`` > 1), into the piece's slot.
+
+    Call as ``kernel(ht, mt, skip, n_sub)``: ``ht`` = E and ``mt`` = M fp32 ``[n_sub P, H_v, K, V]`` and
+    ``[n_sub P, H_v, K, K]``, sub-walk j of piece p in slot ``j P + p``. Where ``skip[p, hv] < 0`` the maps compose
+    in order, ``M <- M_j M`` and ``E <- M_j E + E_j`` for j = 1 .. n_sub - 1 from ``M_0`` and ``E_0``, written over
+    slot p; other pieces are left as they are. Two CTAs of two warpgroups per (piece, v-head), one for M and one for
+    E, each reading every M_j once; the products as the scan's (TF32).
+    """
+    n_slot = T.dynamic("n_slot")
+    n_p = T.dynamic("n_p")
+    h_v = T.dynamic("h_v")
+    acc = "float32"
+    assert dk == dv, "M and E compose in one layout"
+
+    @T.prim_func
+    def kernel(
+        ht: T.Tensor((n_slot, h_v, dk, dv), acc),
+        mt: T.Tensor((n_slot, h_v, dk, dk), acc),
+        skip: T.Tensor((n_p, h_v), "int32"),
+        n_sub: T.int32,
+    ):
+        with T.Kernel(n_p, h_v, 2, threads=256) as (p, hv, is_e):
+            m_s = T.alloc_shared((dk, dk), acc)
+            st_s = T.alloc_shared((dv, dk), acc)
+            s_f = T.alloc_fragment((dk, dv), acc)
+            if skip[p, hv] < 0:
+                if is_e == 1:
+                    T.copy(ht[p, hv, :, :], s_f)
+                else:
+                    T.copy(mt[p, hv, :, :], s_f)
+                for j in T.serial(n_sub - 1):
+                    slot = (j + 1) * n_p + p
+                    T.copy(mt[slot, hv, :, :], m_s)
+                    if is_e == 1:
+                        _times_m(m_s, st_s, ht[slot, hv, :, :], s_f)
+                    else:
+                        _times_m(m_s, st_s, None, s_f)
+                if is_e == 1:
+                    T.copy(s_f, ht[p, hv, :, :])
+                else:
+                    T.copy(s_f, mt[p, hv, :, :])
+
+    return kernel
+
+
 # setmaxnreg per warpgroup of ``transitions`` (aux, state 0, state 1, producer): sums to 512 = 65536 registers / 128.
 _TRANSITION_NREG = (112, 184, 192, 24)
 
@@ -254,10 +309,13 @@ _TRANSITION_NREG = (112, 184, 192, 24)
 def transitions(*, dk: int, dv: int, dtype: str):
     """The affine map ``S_end = M S_start + E`` of every (piece, v-head), by the gate-free form of the chunk map.
 
-    Call as ``kernel(k, v, tt, gb, cu_seqlens, chunk_offsets, order, skip, ht, mt)``: the pieces' token bounds,
-    first chunk slots and launch order (``forward._Pieces``), ``skip`` from :func:`warmup_plan`; writes E to ``ht``
-    (fp32 ``[P, H_v, K, V]``) and, where ``skip < 0``, M to ``mt`` (fp32 ``[P, H_v, K, K]``). ``skip >= 0`` runs
-    only the piece's chunks from ``skip`` on, from a zero state, and forms no M.
+    Call as ``kernel(k, v, tt, gb, cu_seqlens, chunk_offsets, order, skip, n_sub, ht, mt)``: the pieces' token
+    bounds, first chunk slots and launch order (``forward._Pieces``), ``skip`` from :func:`warmup_plan`; writes E to
+    ``ht`` (fp32 ``[n_sub P, H_v, K, V]``) and, where ``skip < 0``, M to ``mt`` (fp32 ``[n_sub P, H_v, K, K]``).
+    ``skip >= 0`` runs only the piece's chunks from ``skip`` on, from a zero state, and forms no M. Where ``skip < 0``
+    the piece's walk is cut into ``n_sub`` sub-walks of ``ceil(chunks / n_sub)`` chunks, walked side by side (a
+    piece's exact walk is a chain of its chunks): sub-walk j writes the map of its chunks to slot ``j P + p``
+    (``skip >= 0``: the one walk to slot p), which :func:`compose` folds into slot p.
 
     Per chunk, with X = K^T T~ diag(beta) (``kkt_inverse``'s T~: the gates drop out of it, design doc 1.3),
 
@@ -274,6 +332,7 @@ def transitions(*, dk: int, dv: int, dtype: str):
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_p1 = T.dynamic("n_p1")
+    n_slot = T.dynamic("n_slot")  # n_sub P
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
     C, HW, DH = CHUNK, dv // 2, dk // 2
@@ -338,8 +397,9 @@ def transitions(*, dk: int, dv: int, dtype: str):
         T.wgmma_gemm(y_h, xb_st[1], s_hi)
 
     @T.macro
-    def state_half(w, is_m, kt, vb, xb, gb_s, r_s, full, empty, x_ready, ht, mt, p, hv, n_run):
-        """State warpgroup ``w``: rows [w HW, (w + 1) HW) of S^T (E^T, or M^T from the identity)."""
+    def state_half(w, is_m, kt, vb, xb, gb_s, r_s, full, empty, x_ready, ht, mt, p, hv, n_run, keep):
+        """State warpgroup ``w``: rows [w HW, (w + 1) HW) of S^T (E^T, or M^T from the identity) into slot ``p``,
+        where ``keep``."""
         T.set_max_nreg(_TRANSITION_NREG[1 + w], 1)
         s_lo = T.alloc_fragment((HW, DH), acc)  # S^T[a, d], d in [0, DH)
         s_hi = T.alloc_fragment((HW, DH), acc)  # d in [DH, dk)
@@ -379,11 +439,11 @@ def transitions(*, dk: int, dv: int, dtype: str):
                 update(y_h, xb[1], s_lo, s_hi)
             T.wait_wgmma(0)
             T.barrier_arrive(empty[st])
-        if is_m:  # M's columns, only where it was formed
-            if n_run > 0:
+        if keep:
+            if is_m:
                 store_half(mt, p, hv, w, s_lo, s_hi)
-        else:
-            store_half(ht, p, hv, w, s_lo, s_hi)
+            else:
+                store_half(ht, p, hv, w, s_lo, s_hi)
 
     @T.prim_func
     def kernel(
@@ -395,11 +455,12 @@ def transitions(*, dk: int, dv: int, dtype: str):
         chunk_offsets: T.Tensor((n_p1,), "int32"),
         order: T.Tensor((n_p1 - 1,), "int32"),
         skip: T.Tensor((n_p1 - 1, h_v), "int32"),
-        ht: T.Tensor((n_p1 - 1, h_v, dk, dv), acc),
-        mt: T.Tensor((n_p1 - 1, h_v, dk, dk), acc),
+        n_sub: T.int32,
+        ht: T.Tensor((n_slot, h_v, dk, dv), acc),
+        mt: T.Tensor((n_slot, h_v, dk, dk), acc),
     ):
-        # E and M of a pair side by side, the piece slowest: CTAs start in ``order``
-        with T.Kernel(2, h_v, n_p1 - 1, threads=512) as (sl, hv, rank):
+        # E and M of a pair side by side, then a piece's sub-walks, the piece slowest: CTAs start in ``order``
+        with T.Kernel(2, h_v, (n_p1 - 1) * n_sub, threads=512) as (sl, hv, z):
             T.import_source(_PTX)
             kt = [[T.alloc_shared((C, DH), dtype) for _ in range(2)] for _ in range(2)]  # [stage][half of d] K
             vb = [[T.alloc_shared((C, HW), dtype) for _ in range(2)] for _ in range(2)]  # [stage][half] V
@@ -414,7 +475,8 @@ def transitions(*, dk: int, dv: int, dtype: str):
             empty = T.alloc_barrier([384, 384])  # every consumer thread
             x_ready = T.alloc_barrier([128, 128])  # X^T and r of the stage
 
-            p = T.alloc_var("int32", init=order[rank])
+            p = T.alloc_var("int32", init=order[z // n_sub])
+            sub = z % n_sub
             is_m = sl == 1
             hk = hv // (h_v // h_qk)
             bos = cu_seqlens[p]
@@ -422,9 +484,16 @@ def transitions(*, dk: int, dv: int, dtype: str):
             coff = chunk_offsets[p]
             n_iter = T.ceildiv(seqlen, C)
             sk = skip[p, hv]
-            # chunks [i0, n_iter) run; M's CTA only where skip < 0
-            i0 = T.alloc_var("int32", init=T.if_then_else(is_m & (sk >= 0), n_iter, T.min(T.max(sk, 0), n_iter)))
-            n_run = n_iter - i0
+            n_each = T.ceildiv(n_iter, n_sub)  # chunks per sub-walk where skip < 0
+            # chunks [i0, i0 + n_run) run: with skip < 0 the sub-walk's; else those from skip on, by sub-walk 0's E
+            i0 = T.alloc_var("int32", init=T.if_then_else(sk < 0, T.min(sub * n_each, n_iter),
+                                                          T.if_then_else(is_m | (sub > 0), n_iter,
+                                                                         T.min(sk, n_iter))))
+            n_run = T.if_then_else(sk < 0, T.min(n_each, n_iter - i0), n_iter - i0)
+            slot = (n_p1 - 1) * sub + p
+            # M only where formed; E of a skipping piece by sub-walk 0 (a variable: as an expression TileLang asks for
+            # a barrier inside the aux warpgroup's branch)
+            keep = T.alloc_var("bool", init=(sk < 0) | ((sub == 0) & (sl == 0)))
             tx = T.get_thread_binding()
 
             if tx < 128:  # WG0: the aux warpgroup, X^T = diag(beta) T~^T K and r
@@ -445,11 +514,11 @@ def transitions(*, dk: int, dv: int, dtype: str):
                     T.barrier_arrive(x_ready[st])
                     T.barrier_arrive(empty[st])
             elif tx < 256:
-                state_half(0, is_m, kt, [vb[0][0], vb[1][0]], xb, gb_s, r_s, full, empty, x_ready, ht, mt, p, hv,
-                           n_run)
+                state_half(0, is_m, kt, [vb[0][0], vb[1][0]], xb, gb_s, r_s, full, empty, x_ready, ht, mt, slot,
+                           hv, n_run, keep)
             elif tx < 384:
-                state_half(1, is_m, kt, [vb[0][1], vb[1][1]], xb, gb_s, r_s, full, empty, x_ready, ht, mt, p, hv,
-                           n_run)
+                state_half(1, is_m, kt, [vb[0][1], vb[1][1]], xb, gb_s, r_s, full, empty, x_ready, ht, mt, slot,
+                           hv, n_run, keep)
             else:  # WG3: producer warps
                 T.set_max_nreg(_TRANSITION_NREG[3], 0)
                 for j in T.serial(n_run):
@@ -477,10 +546,11 @@ def transitions(*, dk: int, dv: int, dtype: str):
 
 
 def variants():
-    """``(kernel name, params)`` of every scan and transition variant (K = V = 128)."""
+    """``(kernel name, params)`` of every scan, compose and transition variant (K = V = 128)."""
     return ([("scan", dict(dk=128, dv=128, has_h0=has_h0, reverse=reverse))
              for has_h0 in (True, False) for reverse in (False, True)]
             + [("scan", dict(dk=128, dv=128, has_h0=has_h0, block_dv=block_dv))
                for has_h0 in (True, False) for block_dv in (8, 16)]
             + [("warmup_plan", dict(need=need)) for need in (False, True)]
+            + [("compose", dict(dk=128, dv=128))]
             + [("transitions", dict(dk=128, dv=128, dtype=dtype)) for dtype in ("bfloat16", "float16")])

@@ -590,6 +590,10 @@ def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
         cache = torch.empty(n_p * h_v * (dk * dv + dk * dk + 1), **f32)
         views = _cp_cache_views(cache, n_p, h_v, dk, dv)
     h0p, m, skip = views
+    # a forward alone may walk an exact piece in sub-walks side by side; a plan a backward reuses keeps one M a piece
+    walks = (n_p - pieces.seq_pieces.numel() + 1) * h_v
+    n_sub = 1 if backward else chunking.sub_walks(pieces.chunks, walks, _sm_count(q3.device.index))
+    maps = m if n_sub == 1 else torch.empty(n_sub * n_p, h_v, dk, dk, **f32)
     final = pieces.final_bwd if backward else pieces.final_fwd
     if sparse is None:
         context_parallel.warmup_plan()(gb, bad, pieces.offsets, final, skip)
@@ -598,9 +602,12 @@ def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
         need = torch.empty_like(bad)
         context_parallel.warmup_plan(need=True)(gb, bad, pieces.offsets, final, skip, need)
         kkt_inverse.kkt_inverse_tc(dk=dk, dtype=dtype, needed=True)(k3, b_tok, spans, need, tt)
-    e = torch.empty(n_p, h_v, dk, dv, **f32)
+    e = torch.empty(n_sub * n_p, h_v, dk, dv, **f32)
     context_parallel.transitions(dk=dk, dv=dv, dtype=dtype)(k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order,
-                                                           skip, e, m)
+                                                           skip, n_sub, e, maps)
+    if n_sub > 1:
+        context_parallel.compose(dk=dk, dv=dv)(e, maps, skip, n_sub)
+        e, m = e[:n_p], maps[:n_p]
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else e[:1]
     n_chains = (pieces.seq_pieces.numel() - 1) * h_v

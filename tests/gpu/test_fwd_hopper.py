@@ -266,6 +266,39 @@ def test_context_parallel_matches_fp64_oracle(name, path, monkeypatch):
     assert rel_err(o, o1) <= TOL and rel_err(ht, ht1) <= TOL
 
 
+@pytest.mark.parametrize("name", ["cp-varlen-gva4-h0", "cp-varlen-mha-h0"])
+@pytest.mark.parametrize("n_sub", [4, 3])
+def test_context_parallel_sub_walks_match_fp64_oracle(name, n_sub, monkeypatch):
+    """A forward alone walks each exact piece's transition in sub-walks (pieces of 8 chunks: 4 of 2 chunks, or 3 of
+    3, 3 and 2) and composes their maps (``context_parallel.compose``): the output and final state as the float64
+    oracle's and as the forward without sub-walks."""
+    kernels = _kernels()
+    B, T, H, HV, dtype, cu, h0, l2, cp = CP_CASES[name]
+    kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=len(name))
+    composed = []
+    monkeypatch.setattr(kernels.context_parallel, "compose", _spy(kernels.context_parallel.compose, composed))
+    o1, ht1 = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=cp)
+    assert not composed  # the rule: no sub-walks in pieces this short
+    monkeypatch.setattr(kernels.chunking, "sub_walks", lambda *_: n_sub)
+    o, ht = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=cp)
+    assert composed, "no sub-walks ran"
+    ref_o, ref_ht = recurrent_gdr_reference(
+        kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale=128**-0.5, initial_state=kw.get("initial_state"),
+        output_final_state=True, cu_seqlens=kw.get("cu_seqlens"), use_qk_l2norm_in_kernel=l2,
+    )
+    assert rel_err(o, ref_o) <= TOL, rel_err(o, ref_o)
+    assert rel_err(ht, ref_ht) <= TOL, rel_err(ht, ref_ht)
+    assert rel_err(o, o1) <= TOL and rel_err(ht, ht1) <= TOL
+
+
+def _spy(factory, calls):
+    """``factory`` wrapped so that each call's parameters land in ``calls``."""
+    def spied(**params):
+        calls.append(params)
+        return factory(**params)
+    return spied
+
+
 @pytest.mark.parametrize("h_qk, path", [(1, None), (4, "onchip")])
 def test_context_parallel_exact_transitions_for_long_keys(h_qk, path, monkeypatch):
     """|k| > 1 voids the warm-up bound: every piece then carries its exact transition M (with ``onchip`` and a
@@ -326,10 +359,12 @@ def test_inverse_kernels_match_fp64(dtype, heads):
                 assert rel_err(tt[s, h], ref) <= 1e-3, (s, h, rel_err(tt[s, h], ref))
 
 
+@pytest.mark.parametrize("n_sub", [1, 3])
 @pytest.mark.parametrize("long_keys", [False, True])
-def test_transitions_match_fp64(long_keys):
+def test_transitions_match_fp64(long_keys, n_sub):
     """``context_parallel.transitions``: E of every piece that passes its state on (from a zero state over its warm-up
-    window, or the whole piece) and M where formed, against the float64 recurrence run over the same tokens."""
+    window, or the whole piece) and M where formed, against the float64 recurrence run over the same tokens; with
+    ``n_sub`` sub-walks an exact piece's (of 4 chunks: 2, 2 and none) composed by ``context_parallel.compose``."""
     kernels = _kernels()
     from qla_compile.kernels import context_parallel
 
@@ -349,10 +384,12 @@ def test_transitions_match_fp64(long_keys):
     n_p = pieces.order.numel()
     skip = torch.empty(n_p, h_v, device="cuda", dtype=torch.int32)
     context_parallel.warmup_plan()(gb, bad, pieces.offsets, pieces.final_fwd, skip)
-    e = torch.full((n_p, h_v, 128, 128), float("nan"), device="cuda")
+    e = torch.full((n_sub * n_p, h_v, 128, 128), float("nan"), device="cuda")
     m = torch.full_like(e, float("nan"))
     context_parallel.transitions(dk=128, dv=128, dtype="bfloat16")(k3, v3, tt, gb, pieces.cu, pieces.offsets,
-                                                                    pieces.order, skip, e, m)
+                                                                    pieces.order, skip, n_sub, e, m)
+    if n_sub > 1:
+        context_parallel.compose(dk=128, dv=128)(e, m, skip, n_sub)
     passing = skip[pieces.final_fwd == 0]  # the pieces that pass their state on
     assert bool((passing < 0).any()) and (long_keys or bool((passing >= 0).any()))  # M formed; a warm-up window
     eye = torch.eye(128, device="cuda", dtype=torch.float32).expand(1, h_v, 128, 128)
