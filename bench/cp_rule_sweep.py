@@ -25,7 +25,7 @@ def main():
     args = ap.parse_args()
     import torch
 
-    from qla_compile.kernels import chunk_gdr_fwd_hopper, chunking
+    from qla_compile.kernels import chunking
 
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count  # what the forward's rule is given
     settings = [None, False] + [int(s) for s in args.lengths.split(",") if s]

@@ -124,16 +124,16 @@ def test_few_ctas_walk_many_pairs(monkeypatch):
     assert chosen == [(384, True)] * 3 + [(384, False)] * 3, chosen
 
 
-def _seq_tables_builds(monkeypatch, kernels, record=lambda params: params):
-    """The list that every ``seq_tables`` build of the forward appends ``record(its params)`` to from now on."""
-    builds, real = [], kernels.seq_tables
+def _builds(monkeypatch, kernels_of, name, record=lambda params: params):
+    """The list that every build of the kernel ``name`` of ``kernels_of`` (a ``Kernels`` of the forward) appends
+    ``record(its params)`` to from now on."""
+    builds, real = [], getattr(kernels_of, name)
 
-    class Spy:
-        def seq_tables(self, **params):
-            builds.append(record(params))
-            return real.seq_tables(**params)
+    def spied(**params):
+        builds.append(record(params))
+        return real(**params)
 
-    monkeypatch.setattr(kernels, "seq_tables", Spy())
+    monkeypatch.setattr(kernels_of, name, spied)
     return builds
 
 
@@ -147,7 +147,7 @@ def test_onchip_reads_cu_seqlens_itself(cu_dtype, monkeypatch):
     _force(monkeypatch, kernels, "onchip")
     monkeypatch.setattr(kernels, "_sm_count", lambda *_: 5)
     monkeypatch.setattr(kernels, "_WALK_MIN_TOKENS", 0)
-    launched = _seq_tables_builds(monkeypatch, kernels)
+    launched = _builds(monkeypatch, kernels.seq_tables, "seq_tables")
     kw, args = _case(1, _WALK_CU[-1], 4, 8, torch.bfloat16, _WALK_CU, True, seed=3)
     cu = kw["cu_seqlens"].to(cu_dtype)
     args = (*args[:7], cu, *args[8:])
@@ -186,7 +186,7 @@ def test_lengths_copied_without_waiting(monkeypatch):
         return split(n_pairs, device, walk, **params)
 
     monkeypatch.setattr(kernels, "_split_state", spy)
-    launched = _seq_tables_builds(monkeypatch, kernels)
+    launched = _builds(monkeypatch, kernels.seq_tables, "seq_tables")
     kw, args = _case(1, 2000, 4, 64, torch.bfloat16, [0, 300, 800, 1500, 2000], True, seed=9)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -209,7 +209,8 @@ def test_varlen_tables_once_per_tensor_and_inference_mode(monkeypatch):
     change), every time inside it; a cu_seqlens made under torch.inference_mode (no version counter) is neither
     cached nor an error. Every run meets the oracle."""
     kernels = _kernels()
-    built = _seq_tables_builds(monkeypatch, kernels, lambda _: torch.cuda.is_current_stream_capturing())
+    built = _builds(monkeypatch, kernels.seq_tables, "seq_tables",
+                   lambda _: torch.cuda.is_current_stream_capturing())
     B, T, H, HV, dtype, cu, h0, l2 = CASES["varlen-1tok-empty-h0"]
     kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=11)
     ref_o, _ = recurrent_gdr_reference(kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scale=128**-0.5,
@@ -275,8 +276,7 @@ def test_context_parallel_sub_walks_match_fp64_oracle(name, n_sub, monkeypatch):
     kernels = _kernels()
     B, T, H, HV, dtype, cu, h0, l2, cp = CP_CASES[name]
     kw, args = _case(B, T, H, HV, dtype, cu, h0, l2, seed=len(name))
-    composed = []
-    monkeypatch.setattr(kernels.context_parallel, "compose", _spy(kernels.context_parallel.compose, composed))
+    composed = _builds(monkeypatch, kernels.context_parallel, "compose")
     o1, ht1 = kernels.chunk_gdr_fwd_hopper(*args, context_parallel=cp)
     assert not composed  # the rule: no sub-walks in pieces this short
     monkeypatch.setattr(kernels.chunking, "sub_walks", lambda *_: n_sub)
@@ -289,14 +289,6 @@ def test_context_parallel_sub_walks_match_fp64_oracle(name, n_sub, monkeypatch):
     assert rel_err(o, ref_o) <= TOL, rel_err(o, ref_o)
     assert rel_err(ht, ref_ht) <= TOL, rel_err(ht, ref_ht)
     assert rel_err(o, o1) <= TOL and rel_err(ht, ht1) <= TOL
-
-
-def _spy(factory, calls):
-    """``factory`` wrapped so that each call's parameters land in ``calls``."""
-    def spied(**params):
-        calls.append(params)
-        return factory(**params)
-    return spied
 
 
 @pytest.mark.parametrize("h_qk, path", [(1, None), (4, "onchip")])
