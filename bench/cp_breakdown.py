@@ -64,12 +64,12 @@ def main():
     parser.add_argument("rows", nargs="+")
     parser.add_argument("--cp", type=int, default=None, help="piece length in chunks (default: the rule's)")
     parser.add_argument("--sub", type=int, default=None,
-                        help="sub-walk length of exact transitions in chunks, forced (0: none; default: the rule's)")
+                        help="shortest sub-walk of exact transitions in chunks (0: none; default: the rule's)")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
-    if a.sub is not None:  # forced wherever the pieces are longer, whatever the rule says
-        chunking.sub_walks = lambda chunks, *_: max(1, chunks // a.sub) if a.sub else 1
+    if a.sub is not None:  # the shortest sub-walk allowed, whatever the rule says (the device picks how many run)
+        chunking.sub_walks = lambda chunks: max(1, chunks // a.sub) if a.sub else 1
     rows = [breakdown(spec, a.cp, a.calls) for spec in a.rows]
     if a.out:
         write_results(a.out, "cp-breakdown.json", rows)

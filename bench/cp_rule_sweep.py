@@ -4,7 +4,8 @@ For each ``H_qk/H_v:seqs`` item (bench_fwd's notation), CUDA-graph medians (ms) 
 ``context_parallel`` = None (the rule's choice), False (unsplit) and each given piece length in 64-token chunks
 (one no longer than the longest sequence is skipped), and the relative L2 of each split output against the unsplit
 one where it exceeds 2e-3 (both carry their own bf16 rounding); one table per ``--sub`` value, the length of an
-exact transition's sub-walks in chunks, forced wherever a piece is longer (0: none; default: ``chunking.sub_walks``):
+exact transition's sub-walks in chunks (the shortest allowed; the device picks how many run; 0: none; default: the
+rule's, ``chunking.sub_walks``):
 
     python bench/cp_rule_sweep.py 2/8:1x2048 8/32:1x4096 --lengths 4,8,16,32,64 --sub 0,16
 """
@@ -31,8 +32,7 @@ def main():
     settings = [None, False] + [int(s) for s in args.lengths.split(",") if s]
     rule = chunking.sub_walks
     for sub in [int(s) for s in args.sub.split(",") if s] or [None]:
-        # forced wherever the pieces are longer, whatever the rule says
-        chunking.sub_walks = rule if sub is None else lambda chunks, *_, sub=sub: max(1, chunks // sub) if sub else 1
+        chunking.sub_walks = rule if sub is None else lambda chunks, sub=sub: max(1, chunks // sub) if sub else 1
         print(f"\nsub-walks: {'the rule' if sub is None else sub or 'none'}\n")
         table(args.shapes, settings, n_sm)
 

@@ -10,9 +10,7 @@ import math
 CHUNK = 64  # tokens per chunk
 MIN_PIECE_CHUNKS = 4  # the shortest context-parallel piece of a forward alone, in chunks
 MIN_BACKWARD_PIECE_CHUNKS = 8  # the shortest of a plan that a backward reuses
-SUB_WALK_CHUNKS = 16  # a forward alone walks an exact piece's transition in sub-walks of this many chunks ...
-SUB_WALK_MIN_PIECE = 64  # ... where its pieces have at least this many chunks ...
-SUB_WALK_MAX_WALKS_PER_SM = 0.875  # ... and its transitions at most this many (piece, v-head) walks an SM
+MIN_SUB_WALK_CHUNKS = 16  # the shortest sub-walk of an exact transition (``context_parallel``)
 MAX_HEADS = 80  # no plan of a forward alone splits more v-heads (Be * H_v, :func:`piece_chunks`)
 MAX_HEADS_BACKWARD = 60  # nor one that a backward reuses
 # (bound on Be * H_v, fewest chunks of the longest sequence) under which a forward alone splits: the first three
@@ -57,16 +55,13 @@ def piece_chunks(lens, h_v: int, n_sm: int, backward: bool = False):
     return 2 ** round(math.log2(longest / 4)) if be_h <= b and longest >= n else None
 
 
-def sub_walks(chunks: int, walks: int, n_sm: int) -> int:
-    """Sub-walks of each exact transition of a forward alone's plan (``context_parallel``): pieces of ``chunks``
-    chunks, ``walks`` (piece, v-head) pairs that pass their state on. An exact piece's walk is a chain of its chunks,
-    so where the walks are long and few for the SMs they run in :data:`SUB_WALK_CHUNKS`-chunk sub-walks side by side,
-    at the price of composing their maps (H100, ``bench/results/2026-12-07-fwd-cp-sub-walks-h100.md``: 1.04-1.05x at
-    16 v-heads over 1x32768 and 28672+4096 in pieces of 64; slower at 32 and 64 v-heads, where the walks fill the
-    SMs, and over pieces of 32)."""
-    if chunks < SUB_WALK_MIN_PIECE or walks > SUB_WALK_MAX_WALKS_PER_SM * n_sm:
-        return 1
-    return max(1, chunks // SUB_WALK_CHUNKS)
+def sub_walks(chunks: int) -> int:
+    """The most sub-walks of an exact transition over a piece of ``chunks`` chunks in a forward alone: none shorter
+    than :data:`MIN_SUB_WALK_CHUNKS`. How many of them run (``context_parallel._sub_walks``) is decided on the device,
+    where the number of exact walks is known: as many as keep them within one CTA per SM. Sub-walks of 8 chunks
+    were slower than none (H100, pieces of 16 at 1x8192: 4/16 0.131 against 0.128 ms, 2/8 0.097 against 0.094;
+    ``bench/results/2026-12-07-fwd-cp-work-list-h100.md``)."""
+    return max(1, chunks // MIN_SUB_WALK_CHUNKS)
 
 
 def may_split(n_tok: int, h_v: int) -> bool:

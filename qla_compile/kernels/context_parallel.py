@@ -40,13 +40,15 @@ _NO_CHUNKS = 1 << 30  # skip value of a sequence's last piece: its E and M are n
 def warmup_plan(*, need: bool = False):
     """Per (piece, v-head), the chunks the transition kernel skips (see ``chunk_fwd_ws``), in one launch.
 
-    Call as ``kernel(gb, bad, chunk_offsets, final, skip)``: ``gb`` the forward's ``[slots, H_v, 2, 64]`` gate
-    table (row 0, column 63: a chunk's summed log gate), ``bad`` its int32 ``[slots, H_v]`` contraction flags
-    (both from ``kkt_inverse``), ``chunk_offsets`` the pieces' int32 ``[P+1]`` table, ``final`` int32
-    ``[P]`` (nonzero: E and M of that piece are not needed, skip = ``_NO_CHUNKS``); writes int32 ``skip``
-    ``[P, H_v]``. With ``need`` (``kernel(gb, bad, chunk_offsets, final, skip, need)``) it also writes int32
-    ``need[slot, hv]``, nonzero for the chunks the transitions run (those a piece does not skip), which
-    ``kkt_inverse.kkt_inverse_tc(needed=True)`` reads (slots outside every piece are not written).
+    Call as ``kernel(gb, bad, chunk_offsets, final, skip, counts, pairs)``: ``gb`` the forward's ``[slots, H_v, 2,
+    64]`` gate table (row 0, column 63: a chunk's summed log gate), ``bad`` its int32 ``[slots, H_v]`` contraction
+    flags (both from ``kkt_inverse``), ``chunk_offsets`` the pieces' int32 ``[P+1]`` table, ``final`` int32 ``[P]``
+    (nonzero: E and M of that piece are not needed, skip = ``_NO_CHUNKS``); writes int32 ``skip`` ``[P, H_v]`` and
+    the transitions' work list: ``pairs`` int32 ``[P H_v]`` gets each (piece, v-head) p H_v + hv that passes its
+    state on, the exact ones (skip < 0) from the front, the others from the back, ``counts`` (int32 ``[2]``, zero on
+    entry) their numbers. With ``need`` (``kernel(gb, bad, chunk_offsets, final, skip, counts, pairs, need)``) it
+    also writes int32 ``need[slot, hv]``, nonzero for the chunks the transitions run (those a piece does not skip),
+    which ``kkt_inverse.kkt_inverse_tc(needed=True)`` reads (slots outside every piece are not written).
 
     A piece skips its chunks before the last ones whose gate sum drops below -10, provided every per-token
     map ``I - beta k k^T`` of the piece is a contraction (no chunk flagged in ``bad``), which the e^-10 bound
@@ -56,12 +58,25 @@ def warmup_plan(*, need: bool = False):
     """
     n_chunk = T.dynamic("n_chunk")
     n_p1 = T.dynamic("n_p1")
+    n_pairs = T.dynamic("n_pairs")
     h_v = T.dynamic("h_v")
     C, acc = CHUNK, "float32"
     threads = 128
 
     @T.macro
-    def body(gb, bad, chunk_offsets, final, skip, need_out):
+    def listed(skip_v, final, counts, pairs, p, hv):
+        """The pair (p, hv) into the work list: exact ones from the front, the others from the back (the place taken
+        into a variable first: in an index TileLang's bounds checks would repeat the atomic)."""
+        at = T.alloc_var("int32", init=-1)
+        if final[p] == 0:
+            if skip_v < 0:
+                at = T.atomic_add(counts[0], 1, return_prev=True)
+            else:
+                at = (n_p1 - 1) * h_v - 1 - T.atomic_add(counts[1], 1, return_prev=True)
+            pairs[at] = p * h_v + hv
+
+    @T.macro
+    def body(gb, bad, chunk_offsets, final, skip, counts, pairs, need_out):
         with T.Kernel(h_v, n_p1 - 1, threads=threads) as (hv, p):
             bad_s = T.alloc_shared((1,), "int32")  # some token's map is not a contraction
             gs_s = T.alloc_shared((threads,), acc)  # gate sums of the chunks, the last chunk first
@@ -89,14 +104,17 @@ def warmup_plan(*, need: bool = False):
                                     first = n_c - 1 - (blk * threads + t)
                     T.sync_threads()
             T.sync_threads()
+            skip_v = T.if_then_else(final[p] != 0, _NO_CHUNKS, T.if_then_else(bad_s[0] == 0, first, -1))
             if not need:
                 if tx == 0:
-                    skip[p, hv] = T.if_then_else(final[p] != 0, _NO_CHUNKS, T.if_then_else(bad_s[0] == 0, first, -1))
+                    skip[p, hv] = skip_v
+                    listed(skip_v, final, counts, pairs, p, hv)
             else:
                 skip_s = T.alloc_shared((1,), "int32")
                 if tx == 0:
-                    skip_s[0] = T.if_then_else(final[p] != 0, _NO_CHUNKS, T.if_then_else(bad_s[0] == 0, first, -1))
-                    skip[p, hv] = skip_s[0]
+                    skip_s[0] = skip_v
+                    skip[p, hv] = skip_v
+                    listed(skip_v, final, counts, pairs, p, hv)
                 T.sync_threads()
                 for blk in T.serial(T.ceildiv(n_c, threads)):
                     r = blk * threads + tx
@@ -111,9 +129,11 @@ def warmup_plan(*, need: bool = False):
             chunk_offsets: T.Tensor((n_p1,), "int32"),
             final: T.Tensor((n_p1 - 1,), "int32"),
             skip: T.Tensor((n_p1 - 1, h_v), "int32"),
+            counts: T.Tensor((2,), "int32"),
+            pairs: T.Tensor((n_pairs,), "int32"),
             need_out: T.Tensor((n_chunk, h_v), "int32"),
         ):
-            body(gb, bad, chunk_offsets, final, skip, need_out)
+            body(gb, bad, chunk_offsets, final, skip, counts, pairs, need_out)
 
         return kernel_need
 
@@ -124,8 +144,10 @@ def warmup_plan(*, need: bool = False):
         chunk_offsets: T.Tensor((n_p1,), "int32"),
         final: T.Tensor((n_p1 - 1,), "int32"),
         skip: T.Tensor((n_p1 - 1, h_v), "int32"),
+        counts: T.Tensor((2,), "int32"),
+        pairs: T.Tensor((n_pairs,), "int32"),
     ):
-        body(gb, bad, chunk_offsets, final, skip, None)
+        body(gb, bad, chunk_offsets, final, skip, counts, pairs, None)
 
     return kernel
 
@@ -254,49 +276,60 @@ def scan(*, dk: int, dv: int, has_h0: bool, block_dv: int = _SCAN_BLOCK_DV, reve
     return kernel
 
 
+def _sub_walks(n_exact, n_sub_max, n_sm):
+    """Sub-walks of each exact walk (device expression, the same in :func:`transitions` and :func:`compose`): as many
+    as keep the exact walks' E and M CTAs within one per SM, at most ``n_sub_max``, at least 1."""
+    return T.max(1, T.min(n_sub_max, n_sm // T.max(2 * n_exact, 1)))
+
+
 @compiled
 def compose(*, dk: int, dv: int):
-    """Each exact piece's map from its sub-walks' (:func:`transitions` with ``n_sub`` > 1), into the piece's slot.
+    """Each exact walk's map from its sub-walks' (:func:`transitions`), into its pair's slot.
 
-    Call as ``kernel(ht, mt, skip, n_sub)``: ``ht`` = E and ``mt`` = M fp32 ``[n_sub P, H_v, K, V]`` and
-    ``[n_sub P, H_v, K, K]``, sub-walk j of piece p in slot ``j P + p``. Where ``skip[p, hv] < 0`` the maps compose
-    in order, ``M <- M_j M`` and ``E <- M_j E + E_j`` for j = 1 .. n_sub - 1 from ``M_0`` and ``E_0``, written over
-    slot p; other pieces are left as they are. Two CTAs of two warpgroups per (piece, v-head), one for M and one for
-    E, each reading every M_j once; the products as the scan's (TF32).
+    Call as ``kernel(ht, mt, counts, pairs, n_sub_max, n_sm, n_cta)``: ``ht`` = E and ``mt`` = M fp32 ``[slots, K,
+    V]`` and ``[slots, K, K]`` as :func:`transitions` wrote them, the work list from :func:`warmup_plan`, ``n_cta``
+    >= ``n_sm`` // 4 (the most exact pairs that get sub-walks). With n_sub > 1 (:func:`_sub_walks`) the i-th listed
+    exact pair's maps compose in order, ``M <- M_j M`` and ``E <- M_j E + E_j`` for j = 1 .. n_sub - 1 from its own
+    slot's, and are written over it. Two CTAs of two warpgroups per pair, one for M and one for E, each reading
+    every M_j once; the products as the scan's (TF32).
     """
     n_slot = T.dynamic("n_slot")
-    n_p = T.dynamic("n_p")
-    h_v = T.dynamic("h_v")
+    n_pairs = T.dynamic("n_pairs")
     acc = "float32"
     assert dk == dv, "M and E compose in one layout"
 
     @T.prim_func
     def kernel(
-        ht: T.Tensor((n_slot, h_v, dk, dv), acc),
-        mt: T.Tensor((n_slot, h_v, dk, dk), acc),
-        skip: T.Tensor((n_p, h_v), "int32"),
-        n_sub: T.int32,
+        ht: T.Tensor((n_slot, dk, dv), acc),
+        mt: T.Tensor((n_slot, dk, dk), acc),
+        counts: T.Tensor((2,), "int32"),
+        pairs: T.Tensor((n_pairs,), "int32"),
+        n_sub_max: T.int32,
+        n_sm: T.int32,
+        n_cta: T.int32,
     ):
-        with T.Kernel(n_p, h_v, 2, threads=256) as (p, hv, is_e):
+        with T.Kernel(n_cta, 2, threads=256) as (i, is_e):
             m_s = T.alloc_shared((dk, dk), acc)
             st_s = T.alloc_shared((dv, dk), acc)
             s_f = T.alloc_fragment((dk, dv), acc)
-            if skip[p, hv] < 0:
+            n_sub = _sub_walks(counts[0], n_sub_max, n_sm)
+            if (n_sub > 1) & (i < counts[0]):
+                pair = pairs[i]
                 if is_e == 1:
-                    T.copy(ht[p, hv, :, :], s_f)
+                    T.copy(ht[pair, :, :], s_f)
                 else:
-                    T.copy(mt[p, hv, :, :], s_f)
+                    T.copy(mt[pair, :, :], s_f)
                 for j in T.serial(n_sub - 1):
-                    slot = (j + 1) * n_p + p
-                    T.copy(mt[slot, hv, :, :], m_s)
+                    slot = n_pairs + i * (n_sub - 1) + j
+                    T.copy(mt[slot, :, :], m_s)
                     if is_e == 1:
-                        _times_m(m_s, st_s, ht[slot, hv, :, :], s_f)
+                        _times_m(m_s, st_s, ht[slot, :, :], s_f)
                     else:
                         _times_m(m_s, st_s, None, s_f)
                 if is_e == 1:
-                    T.copy(s_f, ht[p, hv, :, :])
+                    T.copy(s_f, ht[pair, :, :])
                 else:
-                    T.copy(s_f, mt[p, hv, :, :])
+                    T.copy(s_f, mt[pair, :, :])
 
     return kernel
 
@@ -309,20 +342,22 @@ _TRANSITION_NREG = (112, 184, 192, 24)
 def transitions(*, dk: int, dv: int, dtype: str):
     """The affine map ``S_end = M S_start + E`` of every (piece, v-head), by the gate-free form of the chunk map.
 
-    Call as ``kernel(k, v, tt, gb, cu_seqlens, chunk_offsets, order, skip, n_sub, ht, mt)``: the pieces' token
-    bounds, first chunk slots and launch order (``forward._Pieces``), ``skip`` from :func:`warmup_plan`; writes E to
-    ``ht`` (fp32 ``[n_sub P, H_v, K, V]``) and, where ``skip < 0``, M to ``mt`` (fp32 ``[n_sub P, H_v, K, K]``).
-    ``skip >= 0`` runs only the piece's chunks from ``skip`` on, from a zero state, and forms no M. Where ``skip < 0``
-    the piece's walk is cut into ``n_sub`` sub-walks of ``ceil(chunks / n_sub)`` chunks, walked side by side (a
-    piece's exact walk is a chain of its chunks): sub-walk j writes the map of its chunks to slot ``j P + p``
-    (``skip >= 0``: the one walk to slot p), which :func:`compose` folds into slot p.
-
+    Call as ``kernel(k, v, tt, gb, cu_seqlens, chunk_offsets, skip, counts, pairs, n_sub_max, n_sm, n_cta, ht, mt)``:
+    the pieces' token bounds and first chunk slots (``forward._Pieces``), ``skip`` and the work list ``counts``,
+    ``pairs`` from :func:`warmup_plan`, ``n_cta`` CTAs (at least 2 P H_v + ``n_sm``); writes E and, where ``skip <
+    0``, M of (piece p, v-head hv) to slot ``p H_v + hv`` of ``ht`` (fp32 ``[slots, K, V]``) and ``mt`` (fp32
+    ``[slots, K, K]``). ``skip >= 0`` runs only the piece's chunks from ``skip`` on, from a zero state, and forms no
+    M. An exact walk (``skip < 0``) is a chain of its piece's chunks: with few of them for the SMs it is cut into
+    n_sub = :func:`_sub_walks` sub-walks of ``ceil(chunks / n_sub)`` chunks run side by side, sub-walk j > 0 of the
+    i-th listed exact pair into slot ``P H_v + i (n_sub - 1) + j - 1`` (``slots`` >= P H_v + ``n_sm`` // 2 then),
+    which :func:`compose` folds in. CTA z takes the z-th item of the list: the exact pairs' walks first (E and M
+    of a pair and its sub-walks side by side), then the other pairs' E, the longest first; the rest exit at once.
     Per chunk, with X = K^T T~ diag(beta) (``kkt_inverse``'s T~: the gates drop out of it, design doc 1.3),
 
         E <- e^{gamma_C} E + X (r o V - e^{gamma_C} K E),    M <- e^{gamma_C} M - X (e^{gamma_C} K M)
 
-    (M is the same walk from the identity with V = 0). Two CTAs per (piece, v-head), one for E and one for M (it
-    exits at once where ``skip >= 0``), each with the split-state layout of ``split_state_recurrence``: state
+    (M is the same walk from the identity with V = 0). Each CTA has the split-state layout of
+    ``split_state_recurrence``: state
     warpgroup w holds rows [64 w, 64 w + 64) of S^T in fp32 registers (as two 64-column halves of d) and per chunk
     runs Y^T = r_b V^T - e^{gamma_C} S^T K^T (an m64n64 chain over d) and S^T <- e^{gamma_C} S^T + Y^T X^T. The aux
     warpgroup forms X^T = diag(beta) T~^T K (fp16, ``stmatrix``) a stage ahead; the producer warpgroup TMA-loads K,
@@ -332,7 +367,8 @@ def transitions(*, dk: int, dv: int, dtype: str):
     n_tok = T.dynamic("n_tok")
     n_chunk = T.dynamic("n_chunk")
     n_p1 = T.dynamic("n_p1")
-    n_slot = T.dynamic("n_slot")  # n_sub P
+    n_pairs = T.dynamic("n_pairs")  # P H_v
+    n_slot = T.dynamic("n_slot")  # P H_v and the sub-walks'
     h_qk = T.dynamic("h_qk")
     h_v = T.dynamic("h_v")
     C, HW, DH = CHUNK, dv // 2, dk // 2
@@ -377,11 +413,11 @@ def transitions(*, dk: int, dv: int, dtype: str):
             load_halves(x, tiles[1], start, head, full, st)
 
     @T.macro
-    def store_half(dst, p, hv, w, s_lo, s_hi):
-        """State warpgroup ``w``'s rows of S^T to the columns [w HW, (w + 1) HW) of ``dst[p, hv]``."""
+    def store_half(dst, slot, w, s_lo, s_hi):
+        """State warpgroup ``w``'s rows of S^T to the columns [w HW, (w + 1) HW) of ``dst[slot]``."""
         for a, d in T.Parallel(HW, DH):
-            dst[p, hv, d, w * HW + a] = s_lo[a, d]
-            dst[p, hv, DH + d, w * HW + a] = s_hi[a, d]
+            dst[slot, d, w * HW + a] = s_lo[a, d]
+            dst[slot, DH + d, w * HW + a] = s_hi[a, d]
 
     @T.macro
     def u_product(a_lo, a_hi, kt_st, u_f, vb_st, vt):
@@ -397,8 +433,8 @@ def transitions(*, dk: int, dv: int, dtype: str):
         T.wgmma_gemm(y_h, xb_st[1], s_hi)
 
     @T.macro
-    def state_half(w, is_m, kt, vb, xb, gb_s, r_s, full, empty, x_ready, ht, mt, p, hv, n_run, keep):
-        """State warpgroup ``w``: rows [w HW, (w + 1) HW) of S^T (E^T, or M^T from the identity) into slot ``p``,
+    def state_half(w, is_m, kt, vb, xb, gb_s, r_s, full, empty, x_ready, ht, mt, slot, n_run, keep):
+        """State warpgroup ``w``: rows [w HW, (w + 1) HW) of S^T (E^T, or M^T from the identity) into ``slot``,
         where ``keep``."""
         T.set_max_nreg(_TRANSITION_NREG[1 + w], 1)
         s_lo = T.alloc_fragment((HW, DH), acc)  # S^T[a, d], d in [0, DH)
@@ -441,9 +477,9 @@ def transitions(*, dk: int, dv: int, dtype: str):
             T.barrier_arrive(empty[st])
         if keep:
             if is_m:
-                store_half(mt, p, hv, w, s_lo, s_hi)
+                store_half(mt, slot, w, s_lo, s_hi)
             else:
-                store_half(ht, p, hv, w, s_lo, s_hi)
+                store_half(ht, slot, w, s_lo, s_hi)
 
     @T.prim_func
     def kernel(
@@ -453,14 +489,16 @@ def transitions(*, dk: int, dv: int, dtype: str):
         gb: T.Tensor((n_chunk, h_v, 2, C), acc),
         cu_seqlens: T.Tensor((n_p1,), "int32"),
         chunk_offsets: T.Tensor((n_p1,), "int32"),
-        order: T.Tensor((n_p1 - 1,), "int32"),
         skip: T.Tensor((n_p1 - 1, h_v), "int32"),
-        n_sub: T.int32,
-        ht: T.Tensor((n_slot, h_v, dk, dv), acc),
-        mt: T.Tensor((n_slot, h_v, dk, dk), acc),
+        counts: T.Tensor((2,), "int32"),
+        pairs: T.Tensor((n_pairs,), "int32"),
+        n_sub_max: T.int32,
+        n_sm: T.int32,
+        n_cta: T.int32,
+        ht: T.Tensor((n_slot, dk, dv), acc),
+        mt: T.Tensor((n_slot, dk, dk), acc),
     ):
-        # E and M of a pair side by side, then a piece's sub-walks, the piece slowest: CTAs start in ``order``
-        with T.Kernel(2, h_v, (n_p1 - 1) * n_sub, threads=512) as (sl, hv, z):
+        with T.Kernel(n_cta, threads=512) as z:
             T.import_source(_PTX)
             kt = [[T.alloc_shared((C, DH), dtype) for _ in range(2)] for _ in range(2)]  # [stage][half of d] K
             vb = [[T.alloc_shared((C, HW), dtype) for _ in range(2)] for _ in range(2)]  # [stage][half] V
@@ -475,9 +513,18 @@ def transitions(*, dk: int, dv: int, dtype: str):
             empty = T.alloc_barrier([384, 384])  # every consumer thread
             x_ready = T.alloc_barrier([128, 128])  # X^T and r of the stage
 
-            p = T.alloc_var("int32", init=order[z // n_sub])
-            sub = z % n_sub
-            is_m = sl == 1
+            # the z-th item of the work list: exact walks (E, M, each in n_sub sub-walks), then skipping pairs' E
+            n_exact = counts[0]
+            n_sub = _sub_walks(n_exact, n_sub_max, n_sm)
+            n_x = 2 * n_sub * n_exact  # exact items
+            live = z < n_x + counts[1]
+            pair = T.alloc_var("int32", init=T.if_then_else(
+                z < n_x, pairs[T.min(z // (2 * n_sub), n_pairs - 1)],
+                T.if_then_else(live, pairs[T.max(n_pairs - 1 - (z - n_x), 0)], 0)))
+            sub = T.if_then_else(z < n_x, z % n_sub, 0)
+            is_m = T.alloc_var("bool", init=(z < n_x) & ((z // n_sub) % 2 == 1))
+            p = pair // h_v
+            hv = pair % h_v
             hk = hv // (h_v // h_qk)
             bos = cu_seqlens[p]
             seqlen = cu_seqlens[p + 1] - bos
@@ -485,15 +532,13 @@ def transitions(*, dk: int, dv: int, dtype: str):
             n_iter = T.ceildiv(seqlen, C)
             sk = skip[p, hv]
             n_each = T.ceildiv(n_iter, n_sub)  # chunks per sub-walk where skip < 0
-            # chunks [i0, i0 + n_run) run: with skip < 0 the sub-walk's; else those from skip on, by sub-walk 0's E
-            i0 = T.alloc_var("int32", init=T.if_then_else(sk < 0, T.min(sub * n_each, n_iter),
-                                                          T.if_then_else(is_m | (sub > 0), n_iter,
-                                                                         T.min(sk, n_iter))))
-            n_run = T.if_then_else(sk < 0, T.min(n_each, n_iter - i0), n_iter - i0)
-            slot = (n_p1 - 1) * sub + p
-            # M only where formed; E of a skipping piece by sub-walk 0 (a variable: as an expression TileLang asks for
-            # a barrier inside the aux warpgroup's branch)
-            keep = T.alloc_var("bool", init=(sk < 0) | ((sub == 0) & (sl == 0)))
+            # chunks [i0, i0 + n_run) run: with skip < 0 the sub-walk's; else those from skip on
+            i0 = T.alloc_var("int32", init=T.if_then_else(sk < 0, T.min(sub * n_each, n_iter), T.min(sk, n_iter)))
+            n_run = T.if_then_else(live, T.if_then_else(sk < 0, T.min(n_each, n_iter - i0), n_iter - i0), 0)
+            slot = T.if_then_else(sub == 0, pair, n_pairs + (z // (2 * n_sub)) * (n_sub - 1) + sub - 1)
+            keep = T.alloc_var("bool", init=live)
+            # (is_m and keep are variables: as expressions TileLang asks for a barrier inside the aux warpgroup's
+            # branch)
             tx = T.get_thread_binding()
 
             if tx < 128:  # WG0: the aux warpgroup, X^T = diag(beta) T~^T K and r
@@ -515,10 +560,10 @@ def transitions(*, dk: int, dv: int, dtype: str):
                     T.barrier_arrive(empty[st])
             elif tx < 256:
                 state_half(0, is_m, kt, [vb[0][0], vb[1][0]], xb, gb_s, r_s, full, empty, x_ready, ht, mt, slot,
-                           hv, n_run, keep)
+                           n_run, keep)
             elif tx < 384:
                 state_half(1, is_m, kt, [vb[0][1], vb[1][1]], xb, gb_s, r_s, full, empty, x_ready, ht, mt, slot,
-                           hv, n_run, keep)
+                           n_run, keep)
             else:  # WG3: producer warps
                 T.set_max_nreg(_TRANSITION_NREG[3], 0)
                 for j in T.serial(n_run):
@@ -530,7 +575,7 @@ def transitions(*, dk: int, dv: int, dtype: str):
                         T.barrier_arrive(full[st])
                     elif tx < 448:
                         T.barrier_wait(empty[st], (j // 2 + 1) % 2)
-                        if sl == 0:  # M's walk has V = 0
+                        if not is_m:  # M's walk has V = 0
                             load_stage(v, vb, start, hv, full, st)
                         T.barrier_arrive(full[st])
                     elif tx < 480:

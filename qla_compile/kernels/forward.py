@@ -590,24 +590,28 @@ def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
         cache = torch.empty(n_p * h_v * (dk * dv + dk * dk + 1), **f32)
         views = _cp_cache_views(cache, n_p, h_v, dk, dv)
     h0p, m, skip = views
-    # a forward alone may walk an exact piece in sub-walks side by side; a plan a backward reuses keeps one M a piece
-    walks = (n_p - pieces.seq_pieces.numel() + 1) * h_v
-    n_sub = 1 if backward else chunking.sub_walks(pieces.chunks, walks, _sm_count(q3.device.index))
-    maps = m if n_sub == 1 else torch.empty(n_sub * n_p, h_v, dk, dk, **f32)
+    n_pairs, n_sm = n_p * h_v, _sm_count(q3.device.index)
+    # a forward alone may walk an exact piece in sub-walks side by side, their maps in n_sm // 2 slots beyond the
+    # pieces'; a plan a backward reuses keeps one walk a piece
+    n_sub_max = 1 if backward else chunking.sub_walks(pieces.chunks)
+    n_slots = n_pairs + (n_sm // 2 if n_sub_max > 1 else 0)
+    maps = m.view(n_pairs, dk, dk) if n_slots == n_pairs else torch.empty(n_slots, dk, dk, **f32)
+    counts = torch.zeros(2, device=q3.device, dtype=torch.int32)
+    pairs = torch.empty(n_pairs, device=q3.device, dtype=torch.int32)
     final = pieces.final_bwd if backward else pieces.final_fwd
     if sparse is None:
-        context_parallel.warmup_plan()(gb, bad, pieces.offsets, final, skip)
+        context_parallel.warmup_plan()(gb, bad, pieces.offsets, final, skip, counts, pairs)
     else:
         b_tok, spans = sparse
         need = torch.empty_like(bad)
-        context_parallel.warmup_plan(need=True)(gb, bad, pieces.offsets, final, skip, need)
+        context_parallel.warmup_plan(need=True)(gb, bad, pieces.offsets, final, skip, counts, pairs, need)
         kkt_inverse.kkt_inverse_tc(dk=dk, dtype=dtype, needed=True)(k3, b_tok, spans, need, tt)
-    e = torch.empty(n_sub * n_p, h_v, dk, dv, **f32)
-    context_parallel.transitions(dk=dk, dv=dv, dtype=dtype)(k3, v3, tt, gb, pieces.cu, pieces.offsets, pieces.order,
-                                                           skip, n_sub, e, maps)
-    if n_sub > 1:
-        context_parallel.compose(dk=dk, dv=dv)(e, maps, skip, n_sub)
-        e, m = e[:n_p], maps[:n_p]
+    e = torch.empty(n_slots, dk, dv, **f32)
+    context_parallel.transitions(dk=dk, dv=dv, dtype=dtype)(k3, v3, tt, gb, pieces.cu, pieces.offsets, skip, counts,
+                                                           pairs, n_sub_max, n_sm, 2 * n_pairs + n_sm, e, maps)
+    if n_sub_max > 1:
+        context_parallel.compose(dk=dk, dv=dv)(e, maps, counts, pairs, n_sub_max, n_sm, n_sm // 4)
+    e, m = e[:n_pairs].view(n_p, h_v, dk, dv), maps[:n_pairs].view(n_p, h_v, dk, dk)
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else e[:1]
     n_chains = (pieces.seq_pieces.numel() - 1) * h_v

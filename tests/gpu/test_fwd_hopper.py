@@ -356,7 +356,8 @@ def test_inverse_kernels_match_fp64(dtype, heads):
 def test_transitions_match_fp64(long_keys, n_sub):
     """``context_parallel.transitions``: E of every piece that passes its state on (from a zero state over its warm-up
     window, or the whole piece) and M where formed, against the float64 recurrence run over the same tokens; with
-    ``n_sub`` sub-walks an exact piece's (of 4 chunks: 2, 2 and none) composed by ``context_parallel.compose``."""
+    at most ``n_sub`` sub-walks an exact piece's (of 4 chunks: 2, 2 and none; with long keys every pair is exact, so
+    two of 2 chunks) composed by ``context_parallel.compose``."""
     kernels = _kernels()
     from qla_compile.kernels import context_parallel
 
@@ -375,13 +376,20 @@ def test_transitions_match_fp64(long_keys, n_sub):
     pieces = kernels._piece_tables(lens, 4, k.device)  # 256-token pieces
     n_p = pieces.order.numel()
     skip = torch.empty(n_p, h_v, device="cuda", dtype=torch.int32)
-    context_parallel.warmup_plan()(gb, bad, pieces.offsets, pieces.final_fwd, skip)
-    e = torch.full((n_sub * n_p, h_v, 128, 128), float("nan"), device="cuda")
+    counts = torch.zeros(2, device="cuda", dtype=torch.int32)
+    pairs = torch.empty(n_p * h_v, device="cuda", dtype=torch.int32)
+    context_parallel.warmup_plan()(gb, bad, pieces.offsets, pieces.final_fwd, skip, counts, pairs)
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    assert n_sub == 1 or min(n_sub, n_sm // (2 * int(counts[0]))) > 1  # the kernel's choice: sub-walks run
+    n_slots = n_p * h_v + n_sm // 2
+    e = torch.full((n_slots, 128, 128), float("nan"), device="cuda")
     m = torch.full_like(e, float("nan"))
-    context_parallel.transitions(dk=128, dv=128, dtype="bfloat16")(k3, v3, tt, gb, pieces.cu, pieces.offsets,
-                                                                    pieces.order, skip, n_sub, e, m)
+    context_parallel.transitions(dk=128, dv=128, dtype="bfloat16")(k3, v3, tt, gb, pieces.cu, pieces.offsets, skip,
+                                                                    counts, pairs, n_sub, n_sm, 2 * n_p * h_v + n_sm,
+                                                                    e, m)
     if n_sub > 1:
-        context_parallel.compose(dk=128, dv=128)(e, m, skip, n_sub)
+        context_parallel.compose(dk=128, dv=128)(e, m, counts, pairs, n_sub, n_sm, n_sm // 4)
+    e, m = e[:n_p * h_v].view(n_p, h_v, 128, 128), m[:n_p * h_v].view(n_p, h_v, 128, 128)
     passing = skip[pieces.final_fwd == 0]  # the pieces that pass their state on
     assert bool((passing < 0).any()) and (long_keys or bool((passing >= 0).any()))  # M formed; a warm-up window
     eye = torch.eye(128, device="cuda", dtype=torch.float32).expand(1, h_v, 128, 128)
@@ -570,7 +578,16 @@ def test_warmup_plan_matches_a_loop():
     last, only = [0, 0, 1, 0, 1], [0, 0, 0, 0, 0]  # the forward's and the backward's final pieces
     for final in (last, only):
         skip = torch.full((5, h_v), -7, **dev)
-        context_parallel.warmup_plan()(gb.cuda(), bad, torch.tensor(offs, **dev), torch.tensor(final, **dev), skip)
+        counts, pairs = torch.zeros(2, **dev), torch.full((5 * h_v,), -7, **dev)
+        context_parallel.warmup_plan()(gb.cuda(), bad, torch.tensor(offs, **dev), torch.tensor(final, **dev), skip,
+                                       counts, pairs)
+        # the work list: every pair that passes its state on, the exact ones first, each once
+        n_exact, n_other = counts.tolist()
+        listed = pairs[:n_exact].tolist() + pairs[5 * h_v - n_other:].tolist()
+        assert n_exact + n_other <= 5 * h_v and sorted(listed) == [
+            p * h_v + h for p in range(5) for h in range(h_v) if not final[p]]
+        assert all(skip[i // h_v, i % h_v] < 0 for i in listed[:n_exact])
+        assert all(skip[i // h_v, i % h_v] >= 0 for i in listed[n_exact:])
         for p in range(5):
             rows = slice(cu[p], cu[p + 1])
             for h in range(h_v):
