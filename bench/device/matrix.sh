@@ -9,9 +9,10 @@
 #   PHASE=run   carry [".devdeps-fi07/fi07-part2.tar.xz"]: the second part, then the matrix for HEADS (bench_fwd's
 #               --heads items, default every head configuration of the matrix) over every sequence set, each head
 #               configuration its own process of at most LIMIT seconds; JSON and the dated .md into $OUT/fwd (render
-#               the whole matrix from several runs with bench_fwd.render). Session 24 (H100): 88-114 s a head
-#               configuration, so the seven need two or three run calls (each carrying part 2 again) within 30 s of
-#               one another; site and load take ~5 s each
+#               the whole matrix from several runs with bench_fwd.render; PEERS: bench_fwd's --peers, default all,
+#               e.g. flashqla,flashinfer,flashinfer-0.7: the issue-20 bar's peers, without FLA). Session 24 (H100):
+#               88-114 s a head configuration, so the seven need two or three run calls (each carrying part 2 again)
+#               within 30 s of one another; site and load take ~5 s each
 #   PHASE=power carry as run: the second part, then bench/power_probe.py over ROWS (qla and FlashInfer 0.7 under
 #               sustained load: clocks, power, energy a call) into $OUT/power
 set -uo pipefail
@@ -30,7 +31,7 @@ case "${PHASE:?PHASE=site, load, run or power}" in
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
     for h in $(echo "${HEADS:-2/8,4/16,8/32,16/32,16/64,16/16,32/32}" | tr , ' '); do
       start=$SECONDS
-      timeout "${LIMIT:-280}" python bench/bench_fwd.py --heads "$h" --seqs all --out "$OUT/fwd" > "$OUT/fwd-${h/\//-}.log" 2>&1
+      timeout "${LIMIT:-280}" python bench/bench_fwd.py --heads "$h" --seqs all --peers "${PEERS:-all}" --out "$OUT/fwd" > "$OUT/fwd-${h/\//-}.log" 2>&1
       echo "$h: rc $? in $((SECONDS - start)) s: $(grep -c '"impl"' "$OUT/fwd/latest-fwd.json" 2>/dev/null) rows so far"
     done ;;
   power)
