@@ -8,10 +8,11 @@ and gets every piece's initial state without walking the sequence:
    ``S_end = M S_start + E``. For a head whose gate decays the state by more than e^-10 over the
    piece's last chunks, ``M`` (whose norm is at most that decay when ``beta >= 0`` and ``beta |k|^2 <= 2``)
    is dropped and ``E`` is computed from a zero state over those last chunks only. Other heads run the
-   whole piece and also form ``M`` (exact).
-2. :func:`transitions` computes ``E`` (and ``M`` where needed) for every piece, by the gate-free chunk map. An exact
-   piece's walk is a chain of its chunks; where such walks are long and few for the SMs, a forward alone cuts each
-   into sub-walks run side by side (``chunking.sub_walks``), whose maps :func:`compose` folds into the piece's.
+   whole piece and also form ``M`` (exact). It also lists the pairs that pass their state on, exact ones first.
+2. :func:`transitions` computes ``E`` (and ``M`` where needed) for every piece, by the gate-free chunk map, one CTA
+   per item of that list, so the long exact walks start first. An exact piece's walk is a chain of its chunks; a
+   forward alone cuts each into as many sub-walks as keep them within one wave (chosen on the device, none shorter
+   than ``chunking.MIN_SUB_WALK_CHUNKS``), run side by side, whose maps :func:`compose` folds into the piece's.
 3. :func:`scan` chains the pieces of each sequence: ``h0[p + 1] = M[p] h0[p] + E[p]``.
 4. The ordinary fused kernel runs over all pieces with these initial states.
 
