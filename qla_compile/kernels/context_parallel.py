@@ -41,13 +41,14 @@ _NO_CHUNKS = 1 << 30  # skip value of a sequence's last piece: its E and M are n
 def warmup_plan(*, need: bool = False):
     """Per (piece, v-head), the chunks the transition kernel skips (see ``chunk_fwd_ws``), in one launch.
 
-    Call as ``kernel(gb, bad, chunk_offsets, final, skip, counts, pairs)``: ``gb`` the forward's ``[slots, H_v, 2,
+    Call as ``kernel(gb, bad, chunk_offsets, final, skip, counts, pairs, listed)``: ``gb`` the forward's ``[slots, H_v, 2,
     64]`` gate table (row 0, column 63: a chunk's summed log gate), ``bad`` its int32 ``[slots, H_v]`` contraction
     flags (both from ``kkt_inverse``), ``chunk_offsets`` the pieces' int32 ``[P+1]`` table, ``final`` int32 ``[P]``
     (nonzero: E and M of that piece are not needed, skip = ``_NO_CHUNKS``); writes int32 ``skip`` ``[P, H_v]`` and
     the transitions' work list: ``pairs`` int32 ``[P H_v]`` gets each (piece, v-head) p H_v + hv that passes its
     state on, the exact ones (skip < 0) from the front, the others from the back, ``counts`` (int32 ``[2]``, zero on
-    entry) their numbers. With ``need`` (``kernel(gb, bad, chunk_offsets, final, skip, counts, pairs, need)``) it
+    entry) their numbers; with ``listed`` 0 no list is made (``counts`` and ``pairs`` untouched, ``transitions``
+    then maps its CTAs to the pairs by their index). With ``need`` (``kernel(..., listed, need)``) it
     also writes int32 ``need[slot, hv]``, nonzero for the chunks the transitions run (those a piece does not skip),
     which ``kkt_inverse.kkt_inverse_tc(needed=True)`` reads (slots outside every piece are not written).
 
@@ -65,7 +66,7 @@ def warmup_plan(*, need: bool = False):
     threads = 128
 
     @T.macro
-    def listed(skip_v, final, counts, pairs, p, hv):
+    def append(skip_v, final, counts, pairs, p, hv):
         """The pair (p, hv) into the work list: exact ones from the front, the others from the back (the place taken
         into a variable first: in an index TileLang's bounds checks would repeat the atomic)."""
         at = T.alloc_var("int32", init=-1)
@@ -77,7 +78,7 @@ def warmup_plan(*, need: bool = False):
             pairs[at] = p * h_v + hv
 
     @T.macro
-    def body(gb, bad, chunk_offsets, final, skip, counts, pairs, need_out):
+    def body(gb, bad, chunk_offsets, final, skip, counts, pairs, listed, need_out):
         with T.Kernel(h_v, n_p1 - 1, threads=threads) as (hv, p):
             bad_s = T.alloc_shared((1,), "int32")  # some token's map is not a contraction
             gs_s = T.alloc_shared((threads,), acc)  # gate sums of the chunks, the last chunk first
@@ -109,13 +110,15 @@ def warmup_plan(*, need: bool = False):
             if not need:
                 if tx == 0:
                     skip[p, hv] = skip_v
-                    listed(skip_v, final, counts, pairs, p, hv)
+                    if listed != 0:
+                        append(skip_v, final, counts, pairs, p, hv)
             else:
                 skip_s = T.alloc_shared((1,), "int32")
                 if tx == 0:
                     skip_s[0] = skip_v
                     skip[p, hv] = skip_v
-                    listed(skip_v, final, counts, pairs, p, hv)
+                    if listed != 0:
+                        append(skip_v, final, counts, pairs, p, hv)
                 T.sync_threads()
                 for blk in T.serial(T.ceildiv(n_c, threads)):
                     r = blk * threads + tx
@@ -132,9 +135,10 @@ def warmup_plan(*, need: bool = False):
             skip: T.Tensor((n_p1 - 1, h_v), "int32"),
             counts: T.Tensor((2,), "int32"),
             pairs: T.Tensor((n_pairs,), "int32"),
+            listed: T.int32,
             need_out: T.Tensor((n_chunk, h_v), "int32"),
         ):
-            body(gb, bad, chunk_offsets, final, skip, counts, pairs, need_out)
+            body(gb, bad, chunk_offsets, final, skip, counts, pairs, listed, need_out)
 
         return kernel_need
 
@@ -147,8 +151,9 @@ def warmup_plan(*, need: bool = False):
         skip: T.Tensor((n_p1 - 1, h_v), "int32"),
         counts: T.Tensor((2,), "int32"),
         pairs: T.Tensor((n_pairs,), "int32"),
+        listed: T.int32,
     ):
-        body(gb, bad, chunk_offsets, final, skip, counts, pairs, None)
+        body(gb, bad, chunk_offsets, final, skip, counts, pairs, listed, None)
 
     return kernel
 
@@ -343,9 +348,10 @@ _TRANSITION_NREG = (112, 184, 192, 24)
 def transitions(*, dk: int, dv: int, dtype: str):
     """The affine map ``S_end = M S_start + E`` of every (piece, v-head), by the gate-free form of the chunk map.
 
-    Call as ``kernel(k, v, tt, gb, cu_seqlens, chunk_offsets, skip, counts, pairs, n_sub_max, n_sm, n_cta, ht, mt)``:
-    the pieces' token bounds and first chunk slots (``forward._Pieces``), ``skip`` and the work list ``counts``,
-    ``pairs`` from :func:`warmup_plan`, ``n_cta`` CTAs (at least 2 P H_v + ``n_sm``); writes E and, where ``skip <
+    Call as ``kernel(k, v, tt, gb, cu_seqlens, chunk_offsets, skip, counts, pairs, listed, n_sub_max, n_sm, n_cta, ht,
+    mt)``: the pieces' token bounds and first chunk slots (``forward._Pieces``), ``skip`` and the work list ``counts``,
+    ``pairs`` from :func:`warmup_plan` (made where ``listed``), ``n_cta`` CTAs (at least 2 P H_v + ``n_sm``, without a
+    list 2 P H_v); writes E and, where ``skip <
     0``, M of (piece p, v-head hv) to slot ``p H_v + hv`` of ``ht`` (fp32 ``[slots, K, V]``) and ``mt`` (fp32
     ``[slots, K, K]``). ``skip >= 0`` runs only the piece's chunks from ``skip`` on, from a zero state, and forms no
     M. An exact walk (``skip < 0``) is a chain of its piece's chunks: with few of them for the SMs it is cut into
@@ -353,6 +359,8 @@ def transitions(*, dk: int, dv: int, dtype: str):
     i-th listed exact pair into slot ``P H_v + i (n_sub - 1) + j - 1`` (``slots`` >= P H_v + ``n_sm`` // 2 then),
     which :func:`compose` folds in. CTA z takes the z-th item of the list: the exact pairs' walks first (E and M
     of a pair and its sub-walks side by side), then the other pairs' E, the longest first; the rest exit at once.
+    Without a list (``listed`` 0, ``n_sub_max`` 1: where all the CTAs run in one wave the order gains nothing, and the
+    list's zeroed counters and reads cost more) CTA z forms E (z even) or M of pair z // 2.
     Per chunk, with X = K^T T~ diag(beta) (``kkt_inverse``'s T~: the gates drop out of it, design doc 1.3),
 
         E <- e^{gamma_C} E + X (r o V - e^{gamma_C} K E),    M <- e^{gamma_C} M - X (e^{gamma_C} K M)
@@ -493,6 +501,7 @@ def transitions(*, dk: int, dv: int, dtype: str):
         skip: T.Tensor((n_p1 - 1, h_v), "int32"),
         counts: T.Tensor((2,), "int32"),
         pairs: T.Tensor((n_pairs,), "int32"),
+        listed: T.int32,
         n_sub_max: T.int32,
         n_sm: T.int32,
         n_cta: T.int32,
@@ -514,16 +523,19 @@ def transitions(*, dk: int, dv: int, dtype: str):
             empty = T.alloc_barrier([384, 384])  # every consumer thread
             x_ready = T.alloc_barrier([128, 128])  # X^T and r of the stage
 
-            # the z-th item of the work list: exact walks (E, M, each in n_sub sub-walks), then skipping pairs' E
-            n_exact = counts[0]
+            # the z-th item of the work list: exact walks (E, M, each in n_sub sub-walks), then skipping pairs' E;
+            # without a list E and M of pair z // 2
+            n_exact = T.if_then_else(listed != 0, counts[0], 0)
             n_sub = _sub_walks(n_exact, n_sub_max, n_sm)
             n_x = 2 * n_sub * n_exact  # exact items
-            live = z < n_x + counts[1]
+            in_list = (listed != 0) & (z < n_x + counts[1])
             pair = T.alloc_var("int32", init=T.if_then_else(
-                z < n_x, pairs[T.min(z // (2 * n_sub), n_pairs - 1)],
-                T.if_then_else(live, pairs[T.max(n_pairs - 1 - (z - n_x), 0)], 0)))
+                listed == 0, T.min(z // 2, n_pairs - 1), T.if_then_else(
+                    z < n_x, pairs[T.min(z // (2 * n_sub), n_pairs - 1)],
+                    T.if_then_else(in_list, pairs[T.max(n_pairs - 1 - (z - n_x), 0)], 0))))
             sub = T.if_then_else(z < n_x, z % n_sub, 0)
-            is_m = T.alloc_var("bool", init=(z < n_x) & ((z // n_sub) % 2 == 1))
+            is_m = T.alloc_var("bool", init=T.if_then_else(listed == 0, z % 2 == 1,
+                                                           (z < n_x) & ((z // n_sub) % 2 == 1)))
             p = pair // h_v
             hv = pair % h_v
             hk = hv // (h_v // h_qk)
@@ -532,6 +544,9 @@ def transitions(*, dk: int, dv: int, dtype: str):
             coff = chunk_offsets[p]
             n_iter = T.ceildiv(seqlen, C)
             sk = skip[p, hv]
+            # without a list: E where the piece passes its state on, M where it is exact too
+            live = T.if_then_else(listed == 0, (z < 2 * n_pairs) & (sk != _NO_CHUNKS) & ((sk < 0) | (z % 2 == 0)),
+                                  in_list)
             n_each = T.ceildiv(n_iter, n_sub)  # chunks per sub-walk where skip < 0
             # chunks [i0, i0 + n_run) run: with skip < 0 the sub-walk's; else those from skip on
             i0 = T.alloc_var("int32", init=T.if_then_else(sk < 0, T.min(sub * n_each, n_iter), T.min(sk, n_iter)))

@@ -594,21 +594,26 @@ def _piece_initial_states(q3, k3, v3, tt, gb, bad, initial_state, dtype, pieces,
     # a forward alone may walk an exact piece in sub-walks side by side, their maps in n_sm // 2 slots beyond the
     # pieces'; a plan a backward reuses keeps one walk a piece
     n_sub_max = 1 if backward else chunking.sub_walks(pieces.chunks)
+    # the transitions from a work list, exact walks first, only where their CTAs would not all run in one wave
+    # (``bench/results/2026-12-07-fwd-cp-work-list-h100.md``: else its zeroed counters and reads cost ~3 us)
+    listed = n_sub_max > 1 or 2 * n_pairs > n_sm
     n_slots = n_pairs + (n_sm // 2 if n_sub_max > 1 else 0)
     maps = m.view(n_pairs, dk, dk) if n_slots == n_pairs else torch.empty(n_slots, dk, dk, **f32)
-    counts = torch.zeros(2, device=q3.device, dtype=torch.int32)
+    counts = (torch.zeros if listed else torch.empty)(2, device=q3.device, dtype=torch.int32)
     pairs = torch.empty(n_pairs, device=q3.device, dtype=torch.int32)
     final = pieces.final_bwd if backward else pieces.final_fwd
     if sparse is None:
-        context_parallel.warmup_plan()(gb, bad, pieces.offsets, final, skip, counts, pairs)
+        context_parallel.warmup_plan()(gb, bad, pieces.offsets, final, skip, counts, pairs, int(listed))
     else:
         b_tok, spans = sparse
         need = torch.empty_like(bad)
-        context_parallel.warmup_plan(need=True)(gb, bad, pieces.offsets, final, skip, counts, pairs, need)
+        context_parallel.warmup_plan(need=True)(gb, bad, pieces.offsets, final, skip, counts, pairs, int(listed),
+                                                need)
         kkt_inverse.kkt_inverse_tc(dk=dk, dtype=dtype, needed=True)(k3, b_tok, spans, need, tt)
     e = torch.empty(n_slots, dk, dv, **f32)
     context_parallel.transitions(dk=dk, dv=dv, dtype=dtype)(k3, v3, tt, gb, pieces.cu, pieces.offsets, skip, counts,
-                                                           pairs, n_sub_max, n_sm, 2 * n_pairs + n_sm, e, maps)
+                                                           pairs, int(listed), n_sub_max, n_sm,
+                                                           2 * n_pairs + (n_sm if listed else 0), e, maps)
     if n_sub_max > 1:
         context_parallel.compose(dk=dk, dv=dv)(e, maps, counts, pairs, n_sub_max, n_sm, n_sm // 4)
     e, m = e[:n_pairs].view(n_p, h_v, dk, dv), maps[:n_pairs].view(n_p, h_v, dk, dk)

@@ -351,13 +351,14 @@ def test_inverse_kernels_match_fp64(dtype, heads):
                 assert rel_err(tt[s, h], ref) <= 1e-3, (s, h, rel_err(tt[s, h], ref))
 
 
-@pytest.mark.parametrize("n_sub", [1, 3])
+@pytest.mark.parametrize("n_sub,listed", [(1, False), (1, True), (3, True)])
 @pytest.mark.parametrize("long_keys", [False, True])
-def test_transitions_match_fp64(long_keys, n_sub):
+def test_transitions_match_fp64(long_keys, n_sub, listed):
     """``context_parallel.transitions``: E of every piece that passes its state on (from a zero state over its warm-up
-    window, or the whole piece) and M where formed, against the float64 recurrence run over the same tokens; with
-    at most ``n_sub`` sub-walks an exact piece's (of 4 chunks: 2, 2 and none; with long keys every pair is exact, so
-    two of 2 chunks) composed by ``context_parallel.compose``."""
+    window, or the whole piece) and M where formed, against the float64 recurrence run over the same tokens; from the
+    warm-up plan's work list or without one (CTAs by pair, the list's buffers garbage); with at most ``n_sub``
+    sub-walks an exact piece's (of 4 chunks: 2, 2 and none; with long keys every pair is exact, so two of 2 chunks)
+    composed by ``context_parallel.compose``."""
     kernels = _kernels()
     from qla_compile.kernels import context_parallel
 
@@ -376,17 +377,21 @@ def test_transitions_match_fp64(long_keys, n_sub):
     pieces = kernels._piece_tables(lens, 4, k.device)  # 256-token pieces
     n_p = pieces.order.numel()
     skip = torch.empty(n_p, h_v, device="cuda", dtype=torch.int32)
-    counts = torch.zeros(2, device="cuda", dtype=torch.int32)
-    pairs = torch.empty(n_p * h_v, device="cuda", dtype=torch.int32)
-    context_parallel.warmup_plan()(gb, bad, pieces.offsets, pieces.final_fwd, skip, counts, pairs)
+    # without a list its buffers hold garbage, which neither kernel may read
+    i32 = dict(device="cuda", dtype=torch.int32)
+    counts = torch.zeros(2, **i32) if listed else torch.full((2,), 1 << 20, **i32)
+    pairs = torch.full((n_p * h_v,), -(1 << 20), **i32)
+    context_parallel.warmup_plan()(gb, bad, pieces.offsets, pieces.final_fwd, skip, counts, pairs, int(listed))
+    if not listed:
+        assert counts.tolist() == [1 << 20] * 2 and bool((pairs == -(1 << 20)).all())
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     assert n_sub == 1 or min(n_sub, n_sm // (2 * int(counts[0]))) > 1  # the kernel's choice: sub-walks run
     n_slots = n_p * h_v + n_sm // 2
     e = torch.full((n_slots, 128, 128), float("nan"), device="cuda")
     m = torch.full_like(e, float("nan"))
     context_parallel.transitions(dk=128, dv=128, dtype="bfloat16")(k3, v3, tt, gb, pieces.cu, pieces.offsets, skip,
-                                                                    counts, pairs, n_sub, n_sm, 2 * n_p * h_v + n_sm,
-                                                                    e, m)
+                                                                    counts, pairs, int(listed), n_sub, n_sm,
+                                                                    2 * n_p * h_v + n_sm * listed, e, m)
     if n_sub > 1:
         context_parallel.compose(dk=128, dv=128)(e, m, counts, pairs, n_sub, n_sm, n_sm // 4)
     e, m = e[:n_p * h_v].view(n_p, h_v, 128, 128), m[:n_p * h_v].view(n_p, h_v, 128, 128)
@@ -580,7 +585,7 @@ def test_warmup_plan_matches_a_loop():
         skip = torch.full((5, h_v), -7, **dev)
         counts, pairs = torch.zeros(2, **dev), torch.full((5 * h_v,), -7, **dev)
         context_parallel.warmup_plan()(gb.cuda(), bad, torch.tensor(offs, **dev), torch.tensor(final, **dev), skip,
-                                       counts, pairs)
+                                       counts, pairs, 1)
         # the work list: every pair that passes its state on, the exact ones first, each once
         n_exact, n_other = counts.tolist()
         listed = pairs[:n_exact].tolist() + pairs[5 * h_v - n_other:].tolist()
