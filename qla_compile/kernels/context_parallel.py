@@ -41,8 +41,8 @@ _NO_CHUNKS = 1 << 30  # skip value of a sequence's last piece: its E and M are n
 def warmup_plan(*, need: bool = False):
     """Per (piece, v-head), the chunks the transition kernel skips (see ``chunk_fwd_ws``), in one launch.
 
-    Call as ``kernel(gb, bad, chunk_offsets, final, skip, counts, pairs, listed)``: ``gb`` the forward's ``[slots, H_v, 2,
-    64]`` gate table (row 0, column 63: a chunk's summed log gate), ``bad`` its int32 ``[slots, H_v]`` contraction
+    Call as ``kernel(gb, bad, chunk_offsets, final, skip, counts, pairs, listed)``: ``gb`` the forward's ``[slots,
+    H_v, 2, 64]`` gate table (row 0, column 63: a chunk's summed log gate), ``bad`` its int32 ``[slots, H_v]`` contraction
     flags (both from ``kkt_inverse``), ``chunk_offsets`` the pieces' int32 ``[P+1]`` table, ``final`` int32 ``[P]``
     (nonzero: E and M of that piece are not needed, skip = ``_NO_CHUNKS``); writes int32 ``skip`` ``[P, H_v]`` and
     the transitions' work list: ``pairs`` int32 ``[P H_v]`` gets each (piece, v-head) p H_v + hv that passes its
@@ -351,10 +351,9 @@ def transitions(*, dk: int, dv: int, dtype: str):
     Call as ``kernel(k, v, tt, gb, cu_seqlens, chunk_offsets, skip, counts, pairs, listed, n_sub_max, n_sm, n_cta, ht,
     mt)``: the pieces' token bounds and first chunk slots (``forward._Pieces``), ``skip`` and the work list ``counts``,
     ``pairs`` from :func:`warmup_plan` (made where ``listed``), ``n_cta`` CTAs (at least 2 P H_v + ``n_sm``, without a
-    list 2 P H_v); writes E and, where ``skip <
-    0``, M of (piece p, v-head hv) to slot ``p H_v + hv`` of ``ht`` (fp32 ``[slots, K, V]``) and ``mt`` (fp32
-    ``[slots, K, K]``). ``skip >= 0`` runs only the piece's chunks from ``skip`` on, from a zero state, and forms no
-    M. An exact walk (``skip < 0``) is a chain of its piece's chunks: with few of them for the SMs it is cut into
+    list 2 P H_v); writes E and, where ``skip < 0``, M of (piece p, v-head hv) to slot ``p H_v + hv`` of ``ht`` (fp32
+    ``[slots, K, V]``) and ``mt`` (fp32 ``[slots, K, K]``). ``skip >= 0`` runs only the piece's chunks from ``skip``
+    on, from a zero state, and forms no M. An exact walk (``skip < 0``) is a chain of its piece's chunks: with few of them for the SMs it is cut into
     n_sub = :func:`_sub_walks` sub-walks of ``ceil(chunks / n_sub)`` chunks run side by side, sub-walk j > 0 of the
     i-th listed exact pair into slot ``P H_v + i (n_sub - 1) + j - 1`` (``slots`` >= P H_v + ``n_sm`` // 2 then),
     which :func:`compose` folds in. CTA z takes the z-th item of the list: the exact pairs' walks first (E and M
