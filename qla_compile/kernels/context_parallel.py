@@ -41,16 +41,16 @@ _NO_CHUNKS = 1 << 30  # skip value of a sequence's last piece: its E and M are n
 def warmup_plan(*, need: bool = False):
     """Per (piece, v-head), the chunks the transition kernel skips (see ``chunk_fwd_ws``), in one launch.
 
-    Call as ``kernel(gb, bad, chunk_offsets, final, skip, counts, pairs, listed)``: ``gb`` the forward's ``[slots,
-    H_v, 2, 64]`` gate table (row 0, column 63: a chunk's summed log gate), ``bad`` its int32 ``[slots, H_v]`` contraction
+    Call as ``kernel(gb, bad, chunk_offsets, final, skip, counts, pairs, listed)``: ``gb`` the forward's ``[slots, H_v,
+    2, 64]`` gate table (row 0, column 63: a chunk's summed log gate), ``bad`` its int32 ``[slots, H_v]`` contraction
     flags (both from ``kkt_inverse``), ``chunk_offsets`` the pieces' int32 ``[P+1]`` table, ``final`` int32 ``[P]``
-    (nonzero: E and M of that piece are not needed, skip = ``_NO_CHUNKS``); writes int32 ``skip`` ``[P, H_v]`` and
-    the transitions' work list: ``pairs`` int32 ``[P H_v]`` gets each (piece, v-head) p H_v + hv that passes its
-    state on, the exact ones (skip < 0) from the front, the others from the back, ``counts`` (int32 ``[2]``, zero on
-    entry) their numbers; with ``listed`` 0 no list is made (``counts`` and ``pairs`` untouched, ``transitions``
-    then maps its CTAs to the pairs by their index). With ``need`` (``kernel(..., listed, need)``) it
-    also writes int32 ``need[slot, hv]``, nonzero for the chunks the transitions run (those a piece does not skip),
-    which ``kkt_inverse.kkt_inverse_tc(needed=True)`` reads (slots outside every piece are not written).
+    (nonzero: E and M of that piece are not needed, skip = ``_NO_CHUNKS``); writes int32 ``skip`` ``[P, H_v]`` and the
+    transitions' work list: ``pairs`` int32 ``[P H_v]`` gets each (piece, v-head) p H_v + hv that passes its state on,
+    the exact ones (skip < 0) from the front, the others from the back, ``counts`` (int32 ``[2]``, zero on entry) their
+    numbers; with ``listed`` 0 no list is made (``counts`` and ``pairs`` untouched, ``transitions`` then maps its CTAs
+    to the pairs by their index). With ``need`` (``kernel(..., listed, need)``) it also writes int32 ``need[slot, hv]``,
+    nonzero for the chunks the transitions run (those a piece does not skip), which
+    ``kkt_inverse.kkt_inverse_tc(needed=True)`` reads (slots outside every piece are not written).
 
     A piece skips its chunks before the last ones whose gate sum drops below -10, provided every per-token
     map ``I - beta k k^T`` of the piece is a contraction (no chunk flagged in ``bad``), which the e^-10 bound
@@ -352,14 +352,14 @@ def transitions(*, dk: int, dv: int, dtype: str):
     mt)``: the pieces' token bounds and first chunk slots (``forward._Pieces``), ``skip`` and the work list ``counts``,
     ``pairs`` from :func:`warmup_plan` (made where ``listed``), ``n_cta`` CTAs (at least 2 P H_v + ``n_sm``, without a
     list 2 P H_v); writes E and, where ``skip < 0``, M of (piece p, v-head hv) to slot ``p H_v + hv`` of ``ht`` (fp32
-    ``[slots, K, V]``) and ``mt`` (fp32 ``[slots, K, K]``). ``skip >= 0`` runs only the piece's chunks from ``skip``
-    on, from a zero state, and forms no M. An exact walk (``skip < 0``) is a chain of its piece's chunks: with few of them for the SMs it is cut into
-    n_sub = :func:`_sub_walks` sub-walks of ``ceil(chunks / n_sub)`` chunks run side by side, sub-walk j > 0 of the
-    i-th listed exact pair into slot ``P H_v + i (n_sub - 1) + j - 1`` (``slots`` >= P H_v + ``n_sm`` // 2 then),
-    which :func:`compose` folds in. CTA z takes the z-th item of the list: the exact pairs' walks first (E and M
-    of a pair and its sub-walks side by side), then the other pairs' E, the longest first; the rest exit at once.
-    Without a list (``listed`` 0, ``n_sub_max`` 1: where all the CTAs run in one wave the order gains nothing, and the
-    list's zeroed counters and reads cost more) CTA z forms E (z even) or M of pair z // 2.
+    ``[slots, K, V]``) and ``mt`` (fp32 ``[slots, K, K]``). ``skip >= 0`` runs only the piece's chunks from ``skip`` on,
+    from a zero state, and forms no M. An exact walk (``skip < 0``) is a chain of its piece's chunks: with few of them
+    for the SMs it is cut into n_sub = :func:`_sub_walks` sub-walks of ``ceil(chunks / n_sub)`` chunks run side by side,
+    sub-walk j > 0 of the i-th listed exact pair into slot ``P H_v + i (n_sub - 1) + j - 1`` (``slots`` >= P H_v +
+    ``n_sm`` // 2 then), which :func:`compose` folds in. CTA z takes the z-th item of the list: the exact pairs' walks
+    first (E and M of a pair and its sub-walks side by side), then the other pairs' E, the longest first; the rest exit
+    at once. Without a list (``listed`` 0, ``n_sub_max`` 1: where all the CTAs run in one wave the order gains nothing,
+    and the list's zeroed counters and reads cost more) CTA z forms E (z even) or M of pair z // 2.
     Per chunk, with X = K^T T~ diag(beta) (``kkt_inverse``'s T~: the gates drop out of it, design doc 1.3),
 
         E <- e^{gamma_C} E + X (r o V - e^{gamma_C} K E),    M <- e^{gamma_C} M - X (e^{gamma_C} K M)
