@@ -50,6 +50,14 @@ def make_inputs(h_qk, h_v, lens, dtype=torch.bfloat16, dk=128, dv=128, device="c
 HOT_S = float(os.environ.get("QLA_BENCH_HOT_S", "0"))
 
 
+def set_shortest_sub_walk(chunks):
+    """The forward's exact CP transitions in sub-walks of at least ``chunks`` chunks from now on (0: none), whatever
+    ``chunking.MIN_SUB_WALK_CHUNKS`` was; the device still picks how many run."""
+    from qla_compile.kernels import chunking
+
+    chunking.MIN_SUB_WALK_CHUNKS = chunks or 1 << 30  # longer than any piece: one walk
+
+
 def time_graph(fn, reps=20, rounds=5):
     """Median milliseconds of one call of ``fn`` replayed from a CUDA graph (after ``QLA_BENCH_HOT_S`` seconds of
     replays, :data:`HOT_S`)."""

@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import make_inputs, parse_row, time_graph, write_results  # noqa: E402
+from bench.common import make_inputs, parse_row, set_shortest_sub_walk, time_graph, write_results  # noqa: E402
 from qla_compile.kernels import chunk_gdr_fwd_hopper, chunking  # noqa: E402
 
 
@@ -68,8 +68,8 @@ def main():
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
-    if a.sub is not None:  # the shortest sub-walk allowed, whatever the rule says (the device picks how many run)
-        chunking.sub_walks = lambda chunks: max(1, chunks // a.sub) if a.sub else 1
+    if a.sub is not None:
+        set_shortest_sub_walk(a.sub)
     rows = [breakdown(spec, a.cp, a.calls) for spec in a.rows]
     if a.out:
         write_results(a.out, "cp-breakdown.json", rows)

@@ -15,7 +15,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import make_inputs, parse_seqs, rel_l2, time_graph  # noqa: E402
+from bench.common import make_inputs, parse_seqs, rel_l2, set_shortest_sub_walk, time_graph  # noqa: E402
 
 
 def main():
@@ -30,9 +30,9 @@ def main():
 
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count  # what the forward's rule is given
     settings = [None, False] + [int(s) for s in args.lengths.split(",") if s]
-    rule = chunking.sub_walks
+    rule = chunking.MIN_SUB_WALK_CHUNKS
     for sub in [int(s) for s in args.sub.split(",") if s] or [None]:
-        chunking.sub_walks = rule if sub is None else lambda chunks, sub=sub: max(1, chunks // sub) if sub else 1
+        set_shortest_sub_walk(rule if sub is None else sub)
         print(f"\nsub-walks: {'the rule' if sub is None else sub or 'none'}\n")
         table(args.shapes, settings, n_sm)
 
