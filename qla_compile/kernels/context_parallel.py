@@ -357,9 +357,9 @@ def transitions(*, dk: int, dv: int, dtype: str):
     for the SMs it is cut into n_sub = :func:`_sub_walks` sub-walks of ``ceil(chunks / n_sub)`` chunks run side by side,
     sub-walk j > 0 of the i-th listed exact pair into slot ``P H_v + i (n_sub - 1) + j - 1`` (``slots`` >= P H_v +
     ``n_sm`` // 2 then), which :func:`compose` folds in. CTA z takes the z-th item of the list: the exact pairs' walks
-    first (E and M of a pair and its sub-walks side by side), then the other pairs' E, the longest first; the rest exit
-    at once. Without a list (``listed`` 0, ``n_sub_max`` 1: where all the CTAs run in one wave the order gains nothing,
-    and the list's zeroed counters and reads cost more) CTA z forms E (z even) or M of pair z // 2.
+    first (E and M of a pair and its sub-walks side by side), then the other pairs' E, in the order listed; the rest
+    exit at once. Without a list (``listed`` 0, ``n_sub_max`` 1: where all the CTAs run in one wave the order gains
+    nothing, and the list's zeroed counters and reads cost more) CTA z forms E (z even) or M of pair z // 2.
     Per chunk, with X = K^T T~ diag(beta) (``kkt_inverse``'s T~: the gates drop out of it, design doc 1.3),
 
         E <- e^{gamma_C} E + X (r o V - e^{gamma_C} K E),    M <- e^{gamma_C} M - X (e^{gamma_C} K M)
