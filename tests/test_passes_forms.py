@@ -39,15 +39,14 @@ def test_look_alike_is_left_alone(name):
 @pytest.mark.parametrize("fn, fused", [(recurrent_repeat_interleave, True), (gdn_read_before_update, False)])
 def test_pass_time_on_a_long_unrolled_recurrence(fn, fused):
     """A 128-token recurrence unrolls into a graph of some thousands of nodes; the pass proves (or, for the
-    look-alike, rejects under every binding) its one region before its time budget runs out. (Not a wall-clock bound
-    of its own: the look-alike's rejection took 1.1 s alone on a quiet two-core machine, 2.2 s inside the whole suite
-    on a slow one.)"""
+    look-alike, rejects under every binding) its one region in under two seconds, well inside its time budget. (On
+    a quiet two-core machine: 0.2 s and 0.7 s alone, once the region ran without a GraphModule of its own.)"""
     kw = make_inputs(B=1, T=128, H=2, HV=4 if fused else 2, K=16, V=16, l2norm=True, seed=9)
     *_, report = _compiled(fn, [kw[n] for n in NAMES], differentiable=False)
     assert report.nodes_before > 2000, report.summary()
     assert [r.status for r in report.regions] == ["replaced" if fused else "rejected"], report.summary()
     assert not any(NotProven.TIMEOUT in r.reason for r in report.regions), report.summary()
-    assert report.pass_seconds < PASS_BUDGET_SECONDS, report.summary()
+    assert report.pass_seconds < min(2.0, PASS_BUDGET_SECONDS), report.summary()
 
 
 def test_two_layers_and_a_look_alike_in_one_graph():

@@ -123,20 +123,11 @@ def test_gla_is_a_candidate_rejected_by_the_proof():
 
 def test_a_region_that_fails_to_run_prints_nothing(capfd, monkeypatch):
     """A binding under which the region's own code raises (here every binding: the extracted region is replaced by
-    one that fails) costs a line in the report, no traceback on the console (an FX GraphModule prints one)."""
-    from torch import fx
-
+    one that fails) costs a line in the report, no traceback on the console (as an FX GraphModule would print)."""
     from qla_compile.passes import prove
 
-    real_extract = prove.extract
-
     def failing(gm, region):
-        sub = real_extract(gm, region)
-        graph = fx.Graph()
-        for node in sub.graph.find_nodes(op="placeholder"):
-            graph.placeholder(node.name)
-        graph.output(graph.call_function(torch.linalg.cholesky, (-torch.eye(2),)))  # not positive-definite
-        return fx.GraphModule(sub, graph)
+        return lambda *args: torch.linalg.cholesky(-torch.eye(2))  # not positive-definite
 
     monkeypatch.setattr(prove, "extract", failing)
     args, _ = _head_major_inputs(seed=6)

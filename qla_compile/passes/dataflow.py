@@ -74,6 +74,7 @@ class Dataflow:
                     self.users[last].append(reader)
                     self.args[reader].append(last)
         self._pdom: tuple | None = None
+        self.may_own: dict[fx.Node, bool] = {}  # ``regions.grow``'s answers for this graph, asked once a node
         self.sink = next(n for n in reversed(self.nodes) if n.op == "output")
         self.dead = self._dead_nodes()
         for n in self.nodes:

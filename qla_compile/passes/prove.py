@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import operator
 import time
 from dataclasses import dataclass
 
@@ -53,16 +54,85 @@ class NotProven(Exception):
     TIMEOUT = "the pass's time budget ran out"
 
 
-def extract(gm: fx.GraphModule, region: Region) -> fx.GraphModule:
-    """The region as a standalone GraphModule: inputs -> outputs."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for i, node in enumerate(region.inputs):
-        env[node] = graph.placeholder(f"in_{i}")
+def extract(gm: fx.GraphModule, region: Region):
+    """The region as a function: inputs -> outputs, its nodes called in order, each with its arguments picked from one
+    list of values by ``operator.itemgetter`` (the inputs, the nodes' results, then the constants from the end).
+    A region of an unrolled recurrence has thousands of nodes, and a look-alike's bindings run it some dozens of
+    times: copying the nodes into a GraphModule of their own and compiling its Python took longer than all those
+    runs, and ``fx.Interpreter``'s per-node bookkeeping three times as long as the runs."""
+    n_in = len(region.inputs)
+    slot = {node: i for i, node in enumerate(region.inputs)}
+    consts, steps = [], []
+
+    def position(arg):
+        """Where ``arg`` is in the list: its node's result, a step's that builds it from nodes, or a constant."""
+        if isinstance(arg, fx.Node):
+            return slot[arg]
+        if isinstance(arg, (tuple, list, dict, slice)) and _has_nodes(arg):
+            if isinstance(arg, dict):
+                return step(lambda *xs, keys=tuple(arg): dict(zip(keys, xs)), arg.values())
+            if isinstance(arg, slice):
+                return step(slice, (arg.start, arg.stop, arg.step))
+            return step(lambda *xs, kind=tuple if isinstance(arg, tuple) else list: kind(xs), arg)
+        consts.append(arg)
+        return -len(consts)
+
+    def step(fn, args):
+        picks = [position(a) for a in args]
+        steps.append((n_in + len(steps), fn, _picker(picks)))
+        return steps[-1][0]
+
     for node in region.nodes:
-        env[node] = graph.node_copy(node, lambda a: env[a])
-    graph.output(tuple(env[written(o)] for o in region.outputs))
-    return fx.GraphModule(gm, graph)
+        fn = _callee(gm, node)
+        if node.kwargs:
+            fn = _with_keys(fn, tuple(node.kwargs), len(node.args))
+        slot[node] = step(fn, (*node.args, *node.kwargs.values()))
+    outputs = _picker([slot[written(o)] for o in region.outputs])
+    tail = [None] * len(steps) + consts[::-1]
+
+    def run(*args):
+        env = [*args, *tail]
+        for k, fn, pick in steps:
+            env[k] = fn(*pick(env))
+        return outputs(env)
+
+    return run
+
+
+def _has_nodes(arg) -> bool:
+    """Whether a node is somewhere in ``arg``."""
+    found = []
+    fx.node.map_arg(arg, found.append)
+    return bool(found)
+
+
+def _picker(positions):
+    """``env -> tuple(env[p] for p in positions)``."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    if positions:
+        p = positions[0]
+        return lambda env: (env[p],)
+    return lambda env: ()
+
+
+def _with_keys(fn, keys, n_positional=0):
+    """``fn`` called with its last ``len(keys)`` arguments as those keywords."""
+    return lambda *xs: fn(*xs[:n_positional], **dict(zip(keys, xs[n_positional:])))
+
+
+def _callee(gm: fx.GraphModule, node: fx.Node):
+    """What running ``node`` calls with its arguments."""
+    if node.op == "call_function":
+        return node.target
+    if node.op == "call_method":
+        return lambda obj, *args, **kwargs: getattr(obj, node.target)(*args, **kwargs)
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)
+    if node.op == "get_attr":
+        attr = operator.attrgetter(node.target)(gm)
+        return lambda: attr
+    raise NotProven(f"region node {node.name} is a {node.op}")
 
 
 def hint_int(x) -> int:
@@ -218,11 +288,11 @@ def _tolerance(region: Region) -> float:
     return _TOLERANCE[torch.float64 if floats == {torch.float64} else torch.float32]
 
 
-def _match(region: Region, sub: fx.GraphModule, run_op: _OpRuns, hyp, seed: int, tol: float,
+def _match(region: Region, sub, run_op: _OpRuns, hyp, seed: int, tol: float,
            fixed: dict | None = None):
     """(error, options) of the best option set for one hypothesis on one random draw."""
     args, canon = _draw(region, hyp, seed)
-    outs = type(sub).forward(sub, *args)  # not sub(...): a GraphModule call prints a traceback when its code raises
+    outs = sub(*args)
     o_ref = outs[0]
     st_ref = outs[1] if len(outs) > 1 else None
     if not isinstance(o_ref, torch.Tensor) or o_ref.dim() != 4:

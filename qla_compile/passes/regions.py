@@ -188,7 +188,7 @@ def grow(flow: Dataflow, anchor: fx.Node, outputs: list[fx.Node], boundary=()) -
         for a in {*flow.args[n], *n._input_nodes}:  # a read rerouted to a write still names its tensor
             if a in region:
                 continue
-            if a in covered and _may_own(a):
+            if a in covered and _owned(flow, a):
                 stack.append(a)
             else:
                 inputs.add(a)
@@ -260,6 +260,13 @@ BOUNDARIES = (
     (_leave_gate_maps_outside, _pull_in_head_splits),
     (_leave_slices_outside, _leave_gate_maps_outside, _pull_in_head_splits),
 )
+
+
+def _owned(flow: Dataflow, node: fx.Node) -> bool:
+    """``_may_own(node)``, worked out once a node of the flow's graph (``grow`` runs once a boundary)."""
+    if node not in flow.may_own:
+        flow.may_own[node] = _may_own(node)
+    return flow.may_own[node]
 
 
 def _may_own(node: fx.Node) -> bool:
