@@ -173,3 +173,38 @@ def gdn_where_full_like_solve(q, k, v, g, beta):
 def test_constants_built_inside_the_region_stay_inside():
     """``full_like`` of a region tensor is part of the region, not one of its inputs: the form is fused."""
     _assert_fused(gdn_where_full_like_solve, seed=8)
+
+
+def test_extracted_region_runs_as_the_graph_does():
+    """``prove.extract`` runs a region's nodes without a GraphModule of their own: on a traced graph with a method
+    call with keywords, a node as a keyword, nodes nested in a list and in slice bounds, an in-place write, a
+    submodule and a parameter read (``get_attr``), the region from the first node after the inputs to the outputs gives what the graph's own
+    generated code gives."""
+    from torch import fx
+
+    from qla_compile.passes.prove import extract
+    from qla_compile.passes.regions import Region
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.w = torch.nn.Parameter(torch.randn(4))
+
+        def forward(self, x, y):
+            n = x.size(1) // 2
+            z = torch.cat([x[:, :n], y[:, n:]], dim=1).sum(dim=-1, keepdim=True)
+            s = torch.add(self.proj(x).flip(dims=[0]), other=self.w)
+            t = s.clone()
+            t.mul_(z)
+            return torch.stack((t, s), dim=0), z
+
+    gm = fx.symbolic_trace(Net())
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    region = Region(nodes[0], list(out_node.args[0]), nodes, inputs)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    assert {n.op for n in nodes} == {"call_function", "call_method", "call_module", "get_attr"}
+    for got, want in zip(extract(gm, region)(x, y), gm(x, y), strict=True):
+        assert torch.equal(got, want)
