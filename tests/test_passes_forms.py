@@ -10,7 +10,6 @@ from gdn_inputs import make_inputs, outputs_and_grads, rel_err
 from pass_checks import NAMES, check_form_fused, check_look_alike_left_alone
 from pass_checks import compiled as _compiled
 
-from qla_compile.passes.fuse import PASS_BUDGET_SECONDS
 from qla_compile.passes.prove import NotProven
 
 
@@ -46,7 +45,7 @@ def test_pass_time_on_a_long_unrolled_recurrence(fn, fused):
     assert report.nodes_before > 2000, report.summary()
     assert [r.status for r in report.regions] == ["replaced" if fused else "rejected"], report.summary()
     assert not any(NotProven.TIMEOUT in r.reason for r in report.regions), report.summary()
-    assert report.pass_seconds < min(2.0, PASS_BUDGET_SECONDS), report.summary()
+    assert report.pass_seconds < 2.0, report.summary()
 
 
 def test_two_layers_and_a_look_alike_in_one_graph():

@@ -178,8 +178,8 @@ def test_constants_built_inside_the_region_stay_inside():
 def test_extracted_region_runs_as_the_graph_does():
     """``prove.extract`` runs a region's nodes without a GraphModule of their own: on a traced graph with a method
     call with keywords, a node as a keyword, nodes nested in a list and in slice bounds, an in-place write, a
-    submodule and a parameter read (``get_attr``), the region from the first node after the inputs to the outputs gives what the graph's own
-    generated code gives."""
+    submodule and a parameter read (``get_attr``), the region of every node between the inputs and the output gives
+    what the graph's own generated code gives."""
     from torch import fx
 
     from qla_compile.passes.prove import extract
@@ -201,9 +201,7 @@ def test_extracted_region_runs_as_the_graph_does():
 
     gm = fx.symbolic_trace(Net())
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    region = Region(nodes[0], list(out_node.args[0]), nodes, inputs)
+    region = Region(nodes[0], list(gm.graph.output_node().args[0]), nodes, list(gm.graph.find_nodes(op="placeholder")))
     x, y = torch.randn(3, 4), torch.randn(3, 4)
     assert {n.op for n in nodes} == {"call_function", "call_method", "call_module", "get_attr"}
     for got, want in zip(extract(gm, region)(x, y), gm(x, y), strict=True):

@@ -13,6 +13,7 @@ import itertools
 import math
 import operator
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -116,7 +117,7 @@ def _picker(positions):
     return lambda env: ()
 
 
-def _with_keys(fn, keys, n_positional=0):
+def _with_keys(fn, keys, n_positional):
     """``fn`` called with its last ``len(keys)`` arguments as those keywords."""
     return lambda *xs: fn(*xs[:n_positional], **dict(zip(keys, xs[n_positional:])))
 
@@ -288,7 +289,7 @@ def _tolerance(region: Region) -> float:
     return _TOLERANCE[torch.float64 if floats == {torch.float64} else torch.float32]
 
 
-def _match(region: Region, sub, run_op: _OpRuns, hyp, seed: int, tol: float,
+def _match(region: Region, sub: Callable, run_op: _OpRuns, hyp, seed: int, tol: float,
            fixed: dict | None = None):
     """(error, options) of the best option set for one hypothesis on one random draw."""
     args, canon = _draw(region, hyp, seed)
