@@ -142,7 +142,10 @@ def hint_int(x) -> int:
     try:  # torch >= 2.13
         from torch.fx.experimental.symbolic_shapes import optimization_hint as hint
     except ImportError:
-        from torch.fx.experimental.symbolic_shapes import hint_int as hint
+        try:  # torch 2.11 warns on its older name, hint_int
+            from torch.fx.experimental.symbolic_shapes import size_hint as hint
+        except ImportError:
+            from torch.fx.experimental.symbolic_shapes import hint_int as hint
     return hint(x)
 
 
