@@ -139,13 +139,10 @@ def _callee(gm: fx.GraphModule, node: fx.Node):
 def hint_int(x) -> int:
     """The concrete value dynamo traced a size with. torch's helper is imported on first use: its module
     pulls in sympy, which an eager ``import qla_compile`` should not pay for."""
-    try:  # torch >= 2.13
-        from torch.fx.experimental.symbolic_shapes import optimization_hint as hint
-    except ImportError:
-        try:  # torch 2.11 warns on its older name, hint_int
-            from torch.fx.experimental.symbolic_shapes import size_hint as hint
-        except ImportError:
-            from torch.fx.experimental.symbolic_shapes import hint_int as hint
+    import torch.fx.experimental.symbolic_shapes as shapes
+
+    # torch 2.13's name, then 2.11's (which warns on the older hint_int), then hint_int
+    hint = getattr(shapes, "optimization_hint", None) or getattr(shapes, "size_hint", None) or shapes.hint_int
     return hint(x)
 
 
