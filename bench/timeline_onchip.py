@@ -2,10 +2,12 @@
 timeline on the GPU, next to the two launches it replaces (``kkt_inverse`` and the recurrence reading T~).
 
 The traced variant (``trace=True``, a diagnostic, not prebuilt) has the first thread of the aux warpgroup, of state
-warpgroup 0 and of the K/Q load warp of the CTAs of v-heads 0..3 of the first walk write the SM clock at fixed points
-of each chunk, and inside the tile inverse between its levels. Prints the median cycles of each step over the
-steady-state chunks, and when the aux's A_g and P_g arrive relative to the state warpgroup's chunk start. Compile
-the traced variant on the CPU first (``--build``, into ``$QLA_CACHE_DIR``) and carry that cache.
+warpgroup 0 and of the K/Q load warp of the first four CTAs write the SM clock at fixed points of each of the first
+64 chunks the CTA walks, and inside the tile inverse between its levels. Prints the median cycles of each step over the
+steady-state chunks of the first pair, and when the aux's A_g and P_g arrive relative to the state warpgroup's chunk
+start; where pairs are shorter than 64 chunks, also what a pair boundary costs (the state's steps into a pair's first
+chunk against the same steps within a pair). Compile the traced variant on the CPU first (``--build``, into
+``$QLA_CACHE_DIR``) and carry that cache.
 
     python bench/timeline_onchip.py 32/32:4096x8 --out bench/results/timeline-onchip.md
 """
@@ -56,6 +58,41 @@ def median_steps(tr, lo, hi):
     return lines
 
 
+def pair_boundaries(tr):
+    """Markdown lines: the state warpgroup's steps into the first chunk of a pair (the ht store, the next pair's
+    fields, its h0 load) against the same steps into a chunk within a pair, median cycles over the first four CTAs'
+    walked chunks; and the whole chunk (start to start) into and after a pair's first chunk."""
+    first = [(c, j) for c in range(tr.shape[0]) for j in range(1, tr.shape[2]) if tr[c, 1, j, 0] and tr[c, 1, j, 7] == 0]
+    inner = [(c, j) for c in range(tr.shape[0]) for j in range(2, tr.shape[2]) if tr[c, 1, j, 0] and tr[c, 1, j, 7] > 1]
+    if not first:
+        return []
+
+    def med(points, f):
+        return statistics.median(int(f(c, j)) for c, j in points)
+
+    s = lambda c, j, e: tr[c, 1, j, e]  # noqa: E731 - the state's event e of walked chunk j
+    lines = [f"\nPair boundaries ({len(first)} pair starts, {len(inner)} inner chunks; median cycles)\n",
+             "| step (state warpgroup 0) | into a pair's first chunk | within a pair |", "|---|---|---|",
+             f"| last chunk's end -> ht stored | {med(first, lambda c, j: s(c, j, 5) - s(c, j - 1, 4))} | - |",
+             f"| ht stored -> next pair's fields read | {med(first, lambda c, j: s(c, j, 6) - s(c, j, 5))} | - |",
+             f"| fields read -> h0 loaded, chunk start | {med(first, lambda c, j: s(c, j, 0) - s(c, j, 6))} | - |",
+             f"| previous end -> chunk start | {med(first, lambda c, j: s(c, j, 0) - s(c, j - 1, 4))} | "
+             f"{med(inner, lambda c, j: s(c, j, 0) - s(c, j - 1, 4))} |"]
+    for e in range(1, 5):
+        name = f"{EVENTS[1][e - 1]} -> {EVENTS[1][e]}"
+        lines.append(f"| {name} | {med(first, lambda c, j: s(c, j, e) - s(c, j, e - 1))} | "
+                     f"{med(inner, lambda c, j: s(c, j, e) - s(c, j, e - 1))} |")
+    after = [(c, j + 1) for c, j in first if j + 1 < tr.shape[2] and tr[c, 1, j + 1, 0]]
+    lines += [f"| chunk start -> next chunk start | {med([(c, j) for c, j in first if (c, j + 1) in after], lambda c, j: s(c, j + 1, 0) - s(c, j, 0))} | "
+              f"{med([(c, j) for c, j in inner if j + 1 < tr.shape[2] and tr[c, 1, j + 1, 0]], lambda c, j: s(c, j + 1, 0) - s(c, j, 0))} |",
+              f"| the chunk after a first one, start to start | {med([(c, j) for c, j in after if j + 1 < tr.shape[2] and tr[c, 1, j + 1, 0]], lambda c, j: s(c, j + 1, 0) - s(c, j, 0))} | - |",
+              f"| aux: A_g handed over - state's full seen | {med(first, lambda c, j: tr[c, 0, j, 4] - s(c, j, 1))} | "
+              f"{med(inner, lambda c, j: tr[c, 0, j, 4] - s(c, j, 1))} |",
+              f"| aux: chunk start - state's chunk start | {med(first, lambda c, j: tr[c, 0, j, 0] - s(c, j, 0))} | "
+              f"{med(inner, lambda c, j: tr[c, 0, j, 0] - s(c, j, 0))} |"]
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("row", nargs="?", default="32/32:4096x8", help="H_qk/H_v:seqs")
@@ -99,6 +136,7 @@ def main():
              "Launches alone (CUDA-graph medians, us): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ms.items())
              + "\n"]
     lines += median_steps(tr.cpu(), 4, min(CR.TRACE_CHUNKS, max(lens) // 64) - 1)
+    lines += pair_boundaries(tr.cpu())
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

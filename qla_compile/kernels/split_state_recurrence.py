@@ -184,17 +184,26 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
     if trace:
 
         @T.macro
-        def mark(tr, hv, rank, wg, j, event):
-            """The SM's clock into the timeline: slot ``wg``, chunk ``j``, event ``event``, by the first thread of
-            the calling warpgroup (of the state warpgroups, the first's)."""
+        def mark(tr, cta, wg, j, event):
+            """The SM's clock into the timeline of CTA ``cta``: slot ``wg``, the ``j``-th chunk the CTA walked, event
+            ``event``, by the first thread of the calling warpgroup (of the state warpgroups, the first's)."""
             tx = T.get_thread_binding()
-            if (tx % 128 == 0) & ((wg != 1) | (tx == 128)) & (rank == 0) & (hv < TRACE_CTAS) & (j < TRACE_CHUNKS):
-                tr[hv, wg, j, event] = T.call_extern("int64", "qla_clock")
+            if (tx % 128 == 0) & ((wg != 1) | (tx == 128)) & (cta < TRACE_CTAS) & (j < TRACE_CHUNKS):
+                tr[cta, wg, j, event] = T.call_extern("int64", "qla_clock")
+
+        @T.macro
+        def note(tr, cta, wg, j, i):
+            """Beside ``mark``'s events, in the last slot: the walked chunk's index ``i`` in its pair."""
+            tx = T.get_thread_binding()
+            if (tx % 128 == 0) & ((wg != 1) | (tx == 128)) & (cta < TRACE_CTAS) & (j < TRACE_CHUNKS):
+                tr[cta, wg, j, TRACE_EVENTS - 1] = T.cast(i, "int64")
 
     else:
 
         def mark(*_):
             """No timeline: nothing enters the kernel."""
+
+        note = mark
     acc, half = "float32", "float16"
     DH = dk // 2  # a half of d: the stacked [K; Q] tiles are 64 columns wide
 
@@ -308,7 +317,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
 
     @T.macro
     def state(kq, vb, ttb, gb_s, cf_s, pb, ob, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows, order,
-              cu_seqlens, total, tr):
+              cu_seqlens, total, cta, tr):
         """The two state warpgroups as one 256-thread consumer, one copy of the code: warpgroup w holds rows v in
         [64 w, 64 w + 64) of S^T and O^T (``ROWS``). ``vb``: the V tile of each stage, ``ob``: the O tile (whole
         2-D buffers: TileLang lowers copies of those to ldmatrix/stmatrix)."""
@@ -337,6 +346,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                 T.loop_break()
             load_pair(pv, order, cu_seqlens, pi[0])
             hv, rank, seq, bos, seqlen = pv[0], pv[1], pv[2], pv[3], pv[4]
+            mark(tr, cta, 1, ring, 6)
             n_iter = T.ceildiv(seqlen, C)
             if has_h0:
                 for a, d in T.Parallel(dv, DH):
@@ -350,9 +360,10 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                 ph = ((ring + i) // _STAGES) % 2
                 start = bos + i * C
                 length = T.min(seqlen - i * C, C)
-                mark(tr, hv, rank, 1, i, 0)
+                mark(tr, cta, 1, ring + i, 0)
+                note(tr, cta, 1, ring + i, i)
                 T.barrier_wait(full[st], ph)
-                mark(tr, hv, rank, 1, i, 1)
+                mark(tr, cta, 1, ring + i, 1)
                 for a, d in T.Parallel(dv, DH):
                     a_lo[a, d] = T.cast(s_lo[a, d], dtype)
                     a_hi[a, d] = T.cast(s_hi[a, d], dtype)
@@ -360,7 +371,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                 on_stage(st, lambda s: T.copy(vb[s], vt))
                 decay = _exp(gb_s[st, 0, C - 1])
                 T.barrier_wait(ag_ready[st], ph)
-                mark(tr, hv, rank, 1, i, 2)
+                mark(tr, cta, 1, ring + i, 2)
                 T.wait_wgmma(0)
                 for a, b in T.Parallel(dv, C):
                     w_h[a, b] = T.cast(T.cast(vt[b, a], acc) - cf_s[st, 0, b] * uo_f[a, b], half)
@@ -373,7 +384,7 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                     vp_h[a, b] = T.cast(vp_f[a, b], half)
                     vr[a, b] = T.cast(vp_f[a, b] * cf_s[st, 2, b], dtype)
                 T.barrier_wait(p_ready[st], ph)
-                mark(tr, hv, rank, 1, i, 3)
+                mark(tr, cta, 1, ring + i, 3)
                 on_stage(st, lambda s: T.wgmma_gemm(vp_h, pb[s], o2_f, transpose_B=True, policy=ROWS, clear_accum=True))
                 update(vr, kq, st * 2 * C, s_lo, s_hi)
                 T.wait_wgmma(2)  # P_g V' done (the two state products may still run)
@@ -384,13 +395,14 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                 store_o(ob, o, start, length, hv)
                 T.wait_wgmma(0)
                 T.barrier_arrive(empty[st])
-                mark(tr, hv, rank, 1, i, 4)
+                mark(tr, cta, 1, ring + i, 4)
             ring = ring + n_iter
             row = T.if_then_else(n_rows == n_seq1 - 1, ht_rows[seq], seq)
             if row >= 0:
                 for a, d in T.Parallel(dv, DH):
                     ht[row, hv, d, a] = s_lo[a, d]
                     ht[row, hv, DH + d, a] = s_hi[a, d]
+            mark(tr, cta, 1, ring, 5)
         T.tma_store_wait(0)
 
     @T.macro
@@ -403,11 +415,11 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
             t_s[a * TS + b] = T.cast(p_f[a, b], half)
 
     @T.macro
-    def invert_tile(t_s, scratch, tr, hv, rank, i):
+    def invert_tile(t_s, scratch, tr, cta, ring, i):
         """(I + L~)^-1 in place over the tile, by ``tile_inverse``."""
         if trace:
-            idx = T.if_then_else((rank == 0) & (hv < TRACE_CTAS) & (i < TRACE_CHUNKS),
-                                 ((hv * 4 + 2) * TRACE_CHUNKS + i) * TRACE_EVENTS, -1)
+            idx = T.if_then_else((cta < TRACE_CTAS) & (ring + i < TRACE_CHUNKS),
+                                 ((cta * 4 + 2) * TRACE_CHUNKS + ring + i) * TRACE_EVENTS, -1)
             T.call_extern("handle", f"qla_tile_inverse<{_AUX_BARRIER}>", T.address_of(t_s[0]),
                           T.address_of(scratch[0]), T.address_of(tr[0, 0, 0, 0]), idx)
         else:
@@ -422,13 +434,13 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                                     + T.Select(b <= a + lv, T.float32(0), T.float32(-1e30))), half)
 
     @T.macro
-    def gate_tile(t_s, a_h, e_h, gb_s, st, tr, hv, rank, i):
+    def gate_tile(t_s, a_h, e_h, gb_s, st, tr, cta, ring, i):
         """A_g = Gamma o T~ o beta_col of the inverted tile into the fragment ``a_h``."""
         for a, b in T.Parallel(C, C):  # the tile into registers first (pairs of columns per load)
             a_h[a, b] = t_s[a * TS + b]
         for a, b in T.Parallel(C, C):
             a_h[a, b] = a_h[a, b] * e_h[a, b] * T.cast(gb_s[st, 1, b], half)
-        mark(tr, hv, rank, 2, i, 6)
+        mark(tr, cta, 2, ring + i, 6)
 
     @T.macro
     def body(q, k, v, tt, gb, g, beta, cu_seqlens, chunk_offsets, order, ht_rows, h0, scale, n_cta, ticket, o, ht,
@@ -486,23 +498,24 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                     hv, rank, seq, bos, seqlen = pv[0], pv[1], pv[2], pv[3], pv[4]
                     for i in T.serial(T.ceildiv(seqlen, C)):
                         st = (ring + i) % _STAGES
-                        mark(tr, hv, rank, 0, i, 0)
+                        mark(tr, cta, 0, ring + i, 0)
+                        note(tr, cta, 0, ring + i, i)
                         T.barrier_wait(full[st], ((ring + i) // _STAGES) % 2)
-                        mark(tr, hv, rank, 0, i, 1)
+                        mark(tr, cta, 0, ring + i, 1)
                         if inverse:  # the tables' warp formed the column tables; K K^T first: the fill waits for it
                             qk_product(kq, st * 2 * C, p_f, 0)
                             lv = i & LV_BIT
                             T.wait_wgmma(0)
-                            mark(tr, hv, rank, 0, i, 2)
+                            mark(tr, cta, 0, ring + i, 2)
                             fill_tile(t_s, p_f, gb_s, st)
                             gate_factors(e_h, gb_s, st, lv)
-                            invert_tile(t_s, scratch, tr, hv, rank, i)
-                            gate_tile(t_s, a_h, e_h, gb_s, st, tr, hv, rank, i)
-                            mark(tr, hv, rank, 0, i, 3)
+                            invert_tile(t_s, scratch, tr, cta, ring if trace else 0, i)
+                            gate_tile(t_s, a_h, e_h, gb_s, st, tr, cta, ring if trace else 0, i)
+                            mark(tr, cta, 0, ring + i, 3)
                             on_stage(st, lambda s: T.copy(a_h, ttb[s]))
                             T.fence_proxy_async()
                             T.barrier_arrive(ag_ready[st])
-                            mark(tr, hv, rank, 0, i, 4)
+                            mark(tr, cta, 0, ring + i, 4)
                             qk_product(kq, st * 2 * C, p_f)
                         else:
                             column_tables(cf_s, gb_s, st, T.min(seqlen - i * C, C), scale)
@@ -524,11 +537,11 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                         T.fence_proxy_async()
                         T.barrier_arrive(p_ready[st])
                         T.barrier_arrive(empty[st])
-                        mark(tr, hv, rank, 0, i, 5)
+                        mark(tr, cta, 0, ring + i, 5)
                     ring = ring + T.ceildiv(seqlen, C)
             elif tx < 384:
                 state(kq, vb, ttb, gb_s, cf_s, pb, ob, full, empty, ag_ready, p_ready, h0, o, ht, ht_rows, order,
-                      cu_seqlens, total, tr)
+                      cu_seqlens, total, cta, tr)
             else:  # WG3: producer warps (the fourth only reads the queue)
                 T.set_max_nreg(_NREG[3], 0)
                 if (tx >= 448) & (tx < 480):  # the tables' warp (q, k, v may load before the previous kernel ends)
@@ -552,9 +565,9 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                         st = (ring + i) % _STAGES
                         start = bos + i * C
                         if tx < 416:
-                            mark(tr, hv, rank, 3, i, 0)
+                            mark(tr, cta, 3, ring + i, 0)
                             T.barrier_wait(empty[st], ((ring + i) // _STAGES + 1) % 2)
-                            mark(tr, hv, rank, 3, i, 1)
+                            mark(tr, cta, 3, ring + i, 1)
                             load_kq(q, k, kq, start, hk, full, st)
                             T.barrier_arrive(full[st])
                         elif tx < 448:
