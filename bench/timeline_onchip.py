@@ -72,12 +72,16 @@ def pair_boundaries(tr):
 
     s = lambda c, j, e: tr[c, 1, j, e]  # noqa: E731 - the state's event e of walked chunk j
     lines = [f"\nPair boundaries ({len(first)} pair starts, {len(inner)} inner chunks; median cycles)\n",
-             "| step (state warpgroup 0) | into a pair's first chunk | within a pair |", "|---|---|---|",
-             f"| last chunk's end -> ht stored | {med(first, lambda c, j: s(c, j, 5) - s(c, j - 1, 4))} | - |",
-             f"| ht stored -> next pair's fields read | {med(first, lambda c, j: s(c, j, 6) - s(c, j, 5))} | - |",
-             f"| fields read -> h0 loaded, chunk start | {med(first, lambda c, j: s(c, j, 0) - s(c, j, 6))} | - |",
-             f"| previous end -> chunk start | {med(first, lambda c, j: s(c, j, 0) - s(c, j - 1, 4))} | "
-             f"{med(inner, lambda c, j: s(c, j, 0) - s(c, j - 1, 4))} |"]
+             "| step (state warpgroup 0) | into a pair's first chunk | within a pair |", "|---|---|---|"]
+    # the boundary's marks in the order the kernel makes them: (chunk, event) of the last chunk's end, the ht stored
+    # and the next pair's fields read (either first), the chunk's start
+    names = {5: "ht stored", 6: "next pair's fields read"}
+    between = sorted(names, key=lambda e: med(first, lambda c, j: s(c, j, e) - s(c, j - 1, 4)))
+    steps = [(-1, 4, "last chunk's end")] + [(0, e, names[e]) for e in between] + [(0, 0, "chunk start")]
+    for (dj0, e0, n0), (dj1, e1, n1) in zip(steps, steps[1:]):
+        lines.append(f"| {n0} -> {n1} | {med(first, lambda c, j: s(c, j + dj1, e1) - s(c, j + dj0, e0))} | - |")
+    lines.append(f"| previous end -> chunk start | {med(first, lambda c, j: s(c, j, 0) - s(c, j - 1, 4))} | "
+                 f"{med(inner, lambda c, j: s(c, j, 0) - s(c, j - 1, 4))} |")
     for e in range(1, 5):
         name = f"{EVENTS[1][e - 1]} -> {EVENTS[1][e]}"
         lines.append(f"| {name} | {med(first, lambda c, j: s(c, j, e) - s(c, j, e - 1))} | "
