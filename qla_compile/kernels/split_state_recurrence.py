@@ -509,6 +509,8 @@ def chunk_fwd_split(*, dk: int, dv: int, dtype: str, has_h0: bool, inverse: bool
                             mark(tr, cta, 0, ring + i, 2)
                             fill_tile(t_s, p_f, gb_s, st)
                             gate_factors(e_h, gb_s, st, lv)
+                            # ring only where traced: a macro binds a variable argument to a new name, which would
+                            # change the untraced kernels' TIR (and the prebuilt keys)
                             invert_tile(t_s, scratch, tr, cta, ring if trace else 0, i)
                             gate_tile(t_s, a_h, e_h, gb_s, st, tr, cta, ring if trace else 0, i)
                             mark(tr, cta, 0, ring + i, 3)
