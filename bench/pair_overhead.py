@@ -2,33 +2,28 @@
 into sequences of different lengths (``--lens``, each ``--tokens / len`` sequences), per head configuration, with
 and without the initial state (h0 load) and with and without the final state's store (ht skipped by ``ht_rows`` =
 -1, which the kernel reads as "not kept"). Per row the time per round of pairs (``ceil(pairs / SMs)`` rounds, one
-pair a CTA at a time) is fitted as ``chunks a pair x P + X``: P the chunk period, X a pair's own cost. The op's
-output is checked against the float64 oracle on each row (``common.oracle_errors``).
+pair a CTA at a time) is fitted as ``chunks a pair x P + X``: P the chunk period, X a pair's own cost. Lengths under
+``forward._WALK_MIN_TOKENS`` (512) get a CTA per pair instead of walking, outside that model. The op's output is
+checked against the float64 oracle on each row (``common.oracle_errors``).
 
-    python bench/pair_overhead.py --heads 32/32,16/64 --tokens 32768 --lens 256,512,1024,2048,4096,8192 --out $OUT
+    python bench/pair_overhead.py --heads 32/32,16/64 --tokens 32768 --lens 512,1024,2048,4096,8192 --out $OUT
 """
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def fit(points):
-    """Least squares ``y = P c + X`` over ``(c, y)`` points: ``(P, X)``."""
-    n = len(points)
-    mc = sum(c for c, _ in points) / n
-    my = sum(y for _, y in points) / n
-    p = sum((c - mc) * (y - my) for c, y in points) / sum((c - mc) ** 2 for c, _ in points)
-    return p, my - p * mc
+ARMS = ("full", "no_h0", "no_ht", "neither")  # with h0 and the ht store, without h0, without the store, neither
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", default="32/32,16/64")
     ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--lens", default="256,512,1024,2048,4096,8192")
+    ap.add_argument("--lens", default="512,1024,2048,4096,8192")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
@@ -53,8 +48,7 @@ def main():
             x = make_inputs(hk, hv, lens)
             rounds = -(-len(lens) * hv // sms)
             row = dict(heads=heads, seq_len=n, seqs=len(lens), pairs=len(lens) * hv, rounds=rounds)
-            for name, h0, patched in (("full", x["h0"], tables), ("no_h0", None, tables), ("no_ht", x["h0"], no_ht),
-                                      ("neither", None, no_ht)):
+            for name, h0, patched in zip(ARMS, (x["h0"], None, x["h0"], None), (tables, tables, no_ht, no_ht)):
                 F._onchip_tables = patched
                 try:
                     def forward():
@@ -69,15 +63,18 @@ def main():
                 row[name + "_us_round"] = row[name + "_us"] / rounds
             rows.append(row)
             print(row, flush=True)
-    print("\n| heads | seq len | pairs | rounds | full us | no h0 | no ht | neither | o err fp64 |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| heads | seq len | pairs | rounds | full us | no h0 | no ht | neither | o err fp64 |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['heads']} | {r['seq_len']} | {r['pairs']} | {r['rounds']} | {r['full_us']:.1f} | {r['no_h0_us']:.1f} | "
-              f"{r['no_ht_us']:.1f} | {r['neither_us']:.1f} | {r['o_vs_fp64']:.1e} |")
-    print("\nfit per round: us = P x chunks a pair + X\n\n| heads | arm | P us (chunk) | X us (pair) |\n|---|---|---|---|")
+        times = " | ".join(f"{r[name + '_us']:.1f}" for name in ARMS)
+        print(f"| {r['heads']} | {r['seq_len']} | {r['pairs']} | {r['rounds']} | {times} | {r['o_vs_fp64']:.1e} |")
+    print("\nfit per round: us = P x chunks a pair + X\n\n| heads | arm | P us (chunk) | X us (pair) |\n"
+          "|---|---|---|---|")
     for heads in args.heads.split(","):
-        for name in ("full", "no_h0", "no_ht", "neither"):
-            pts = [(r["seq_len"] / CHUNK, r[name + "_us_round"]) for r in rows if r["heads"] == heads]
-            p, x0 = fit(pts)
+        mine = [r for r in rows if r["heads"] == heads]
+        for name in ARMS:
+            p, x0 = statistics.linear_regression([r["seq_len"] / CHUNK for r in mine],
+                                                 [r[name + "_us_round"] for r in mine])
             print(f"| {heads} | {name} | {p:.3f} | {x0:.2f} |")
     if args.out:
         write_results(args.out, "pair-overhead.json", rows)

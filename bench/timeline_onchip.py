@@ -62,8 +62,13 @@ def pair_boundaries(tr):
     """Markdown lines: the state warpgroup's steps into the first chunk of a pair (the ht store, the next pair's
     fields, its h0 load) against the same steps into a chunk within a pair, median cycles over the first four CTAs'
     walked chunks; and the whole chunk (start to start) into and after a pair's first chunk."""
-    first = [(c, j) for c in range(tr.shape[0]) for j in range(1, tr.shape[2]) if tr[c, 1, j, 0] and tr[c, 1, j, 7] == 0]
-    inner = [(c, j) for c in range(tr.shape[0]) for j in range(2, tr.shape[2]) if tr[c, 1, j, 0] and tr[c, 1, j, 7] > 1]
+    def started(c, j):
+        """Whether CTA c's state warpgroup marked the start of its j-th walked chunk."""
+        return j < tr.shape[2] and bool(tr[c, 1, j, 0])
+
+    walked = [(c, j) for c in range(tr.shape[0]) for j in range(1, tr.shape[2]) if started(c, j)]
+    first = [(c, j) for c, j in walked if tr[c, 1, j, 7] == 0]
+    inner = [(c, j) for c, j in walked if tr[c, 1, j, 7] > 1]
     if not first:
         return []
 
@@ -86,10 +91,15 @@ def pair_boundaries(tr):
         name = f"{EVENTS[1][e - 1]} -> {EVENTS[1][e]}"
         lines.append(f"| {name} | {med(first, lambda c, j: s(c, j, e) - s(c, j, e - 1))} | "
                      f"{med(inner, lambda c, j: s(c, j, e) - s(c, j, e - 1))} |")
-    after = [(c, j + 1) for c, j in first if j + 1 < tr.shape[2] and tr[c, 1, j + 1, 0]]
-    lines += [f"| chunk start -> next chunk start | {med([(c, j) for c, j in first if (c, j + 1) in after], lambda c, j: s(c, j + 1, 0) - s(c, j, 0))} | "
-              f"{med([(c, j) for c, j in inner if j + 1 < tr.shape[2] and tr[c, 1, j + 1, 0]], lambda c, j: s(c, j + 1, 0) - s(c, j, 0))} |",
-              f"| the chunk after a first one, start to start | {med([(c, j) for c, j in after if j + 1 < tr.shape[2] and tr[c, 1, j + 1, 0]], lambda c, j: s(c, j + 1, 0) - s(c, j, 0))} | - |",
+    def period(c, j):  # start to start
+        return s(c, j + 1, 0) - s(c, j, 0)
+
+    def timed(points):  # those whose next chunk started too
+        return [(c, j) for c, j in points if started(c, j + 1)]
+
+    second = [(c, j + 1) for c, j in first]
+    lines += [f"| chunk start -> next chunk start | {med(timed(first), period)} | {med(timed(inner), period)} |",
+              f"| the chunk after a first one, start to start | {med(timed(second), period)} | - |",
               f"| aux: A_g handed over - state's full seen | {med(first, lambda c, j: tr[c, 0, j, 4] - s(c, j, 1))} | "
               f"{med(inner, lambda c, j: tr[c, 0, j, 4] - s(c, j, 1))} |",
               f"| aux: chunk start - state's chunk start | {med(first, lambda c, j: tr[c, 0, j, 0] - s(c, j, 0))} | "
