@@ -33,7 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CLASSES = [  # (column, opcode regex), first match wins
     ("HGMMA", r"HGMMA"), ("HMMA", r"HMMA"), ("MUFU", r"MUFU"), ("LDSM", r"LDSM"), ("STSM", r"STSM"),
-    ("LDS", r"LDS"), ("STS", r"STS"), ("LDG/STG", r"LDG|STG"), ("bar", r"BAR|SYNCS|WARPGROUP"),
+    ("LDS", r"LDS"), ("STS", r"STS"), ("LDG/STG", r"LDG|STG"), ("LDL/STL (spills)", r"LDL|STL"),
+    ("bar", r"BAR|SYNCS|WARPGROUP"),
     ("F2FP", r"F2FP"), ("FMUL/FFMA/FADD", r"FMUL|FFMA|FADD"), ("HFMA2", r"HMUL2|HFMA2|HADD2"),
     ("int", r"IMAD|IADD|LEA|ISETP|PRMT|SHF|LOP3|SEL|MOV"), ("uniform", r"U"),
 ]
